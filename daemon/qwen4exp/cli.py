@@ -1,0 +1,149 @@
+"""The `qwen4exp` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+PRESET_MODELS = ("tiny", "bench", "full")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("QWEN4EXP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qwen4exp")
+    return Path(root)
+
+
+def resolve_model(name: str) -> Path:
+    """A checkpoint directory, or the name of a preset: `tiny` is written (random weights, seed 0) into the
+    cache on first use so that a fresh machine can run without downloading anything."""
+    path = Path(name)
+    if path.is_dir():
+        return path
+    if name == "tiny":
+        from .checkpoint.writer import write_random_checkpoint
+        target = _cache_dir() / "checkpoints" / "tiny-seed0"
+        if not (target / "config.json").exists():
+            print(f"writing the tiny random-weight checkpoint to {target}", file=sys.stderr)
+            write_random_checkpoint(target, preset="tiny", seed=0, progress=False)
+        return target
+    raise SystemExit(f"error: --model {name!r} is neither a checkpoint directory nor 'tiny' "
+                     f"(write bench/full checkpoints with `qwen4exp init-checkpoint`)")
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise SystemExit(f"error: --prompt-ids must be comma-separated integers: {err}") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine.generate import generate
+    from .engine.loading import load_model
+    from .engine.sampling import SamplingParams
+    from .tokenizer import Tokenizer
+
+    model_dir = resolve_model(args.model)
+    model = load_model(str(model_dir), dtype=args.dtype, device=args.device, progress=not args.json)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    if args.prompt_ids is not None:
+        prompt_ids = _parse_ids(args.prompt_ids)
+    elif args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(text)
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    sampling = SamplingParams(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=args.seed)
+    stop = () if args.ignore_eos else tuple(tokenizer.eos_token_ids)
+    stream = None
+    if not args.json:
+        decoder = tokenizer.detokenizer()
+
+        def stream(token: int) -> None:
+            sys.stdout.write(decoder.push(token))
+            sys.stdout.flush()
+    try:
+        result = generate(model, prompt_ids, args.max_tokens, sampling, chunk=args.chunk, stop_ids=stop,
+                          on_token=stream)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    text = tokenizer.decode(result.token_ids)
+    if args.json:
+        print(json.dumps({
+            "prompt_tokens": result.prompt_tokens,
+            "token_ids": result.token_ids,
+            "text": text,
+            "finish_reason": result.finish_reason,
+            "timings": {
+                "prefill_ms": round(result.prefill_s * 1000, 3),
+                "prefill_tokens_per_s": round(result.prompt_tokens / result.prefill_s, 2) if result.prefill_s else None,
+                "decode_ms": round(result.decode_s * 1000, 3),
+                "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
+            },
+        }))
+    else:
+        print(f"\n[{len(result.token_ids)} tokens, {result.finish_reason}; prefill {result.prompt_tokens} tokens in "
+              f"{result.prefill_s * 1000:.1f} ms, decode {result.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_init_checkpoint(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint.writer import write_random_checkpoint
+    out = write_random_checkpoint(Path(args.out), preset=args.preset, layers=args.layers, seed=args.seed,
+                                  dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype],
+                                  device=args.device, progress=True)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qwen4exp", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline from a checkpoint")
+    gen.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (default)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    gen.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn of the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--greedy", action="store_true", help="pick the most likely token (same as --temperature 0)")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chunk", type=int, default=None, help="prefill the prompt in chunks of this many tokens")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text tokens")
+    gen.add_argument("--json", action="store_true", help="print one JSON document with ids, text and timings")
+    gen.set_defaults(func=cmd_generate)
+
+    init = sub.add_parser("init-checkpoint", help="write a random-weight checkpoint in the published layout")
+    init.add_argument("--preset", choices=PRESET_MODELS, required=True)
+    init.add_argument("--layers", type=int, default=None)
+    init.add_argument("--out", required=True)
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    init.add_argument("--device", default="cpu", help="where to generate the random tensors (cpu or cuda)")
+    init.set_defaults(func=cmd_init_checkpoint)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

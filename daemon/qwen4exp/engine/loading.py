@@ -1,0 +1,49 @@
+"""Build our model for a checkpoint directory: config, tensors in place on the target device."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..checkpoint.loader import load_weights, read_config
+from .model.causal_lm import Qwen4ExpForCausalLM
+from .model.config import ModelConfig
+from .model.ple import NGramEmbedding
+
+log = logging.getLogger("qwen4exp.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for, but torch sees no CUDA/ROCm device")
+    return device
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Qwen4ExpForCausalLM:
+    """Allocate the model on `device` without initialising weights (a load fills them)."""
+    with torch.device("meta"):
+        model = Qwen4ExpForCausalLM(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    # The hash constants are derived, not learned: recompute them (a checkpoint's copy must agree).
+    for module in model.modules():
+        if isinstance(module, NGramEmbedding):
+            module.reset_constants()
+    return model.eval()
+
+
+def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
+               progress: bool = True) -> Qwen4ExpForCausalLM:
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    raw = read_config(path)
+    cfg = ModelConfig.from_dict(raw, source=f"{path}/config.json")
+    model = build_model(cfg, dtype, device)
+    report = load_weights(path, model, dtype=dtype, device=device, progress=progress)
+    log.info("loaded %s: %s", path, report)
+    return model

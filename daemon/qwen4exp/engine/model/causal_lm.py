@@ -1,0 +1,89 @@
+"""The qwen4_exp text model with its LM head: packed multi-sequence forward over explicit state.
+
+Tensor names match transformers' Qwen4ExpForCausalLM (plus `mtp.*`), so a checkpoint loads by name.
+A forward takes several sequences at once; rows that do not depend on other positions (projections,
+norms, MoE, hyper-connections) run packed, and each sequence's token mixing runs over its own state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..state import SequenceState
+from .config import ModelConfig
+from .decoder import DecoderLayer, SegmentView, hyper_connection
+from .mtp import MTPHead
+from .rope import Rotary
+
+
+@dataclass
+class Segment:
+    """New tokens [n] for one sequence; they go at positions state.length .. state.length + n - 1."""
+    token_ids: torch.Tensor
+    state: SequenceState
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        ple_index = {layer_id - 1: i for i, layer_id in enumerate(cfg.ple_layer_ids)}
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, cfg.is_qsa(i), ple_index.get(i)) for i in range(cfg.num_hidden_layers))
+        self.hyper_connection_mixer = hyper_connection(cfg, inject=False)
+
+
+class Qwen4ExpForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = TextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = MTPHead(cfg) if cfg.mtp_num_hidden_layers else None
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def new_state(self, capacity: int, device: torch.device | str | None = None) -> SequenceState:
+        param = self.lm_head.weight
+        return SequenceState(self.config, capacity, device or param.device, param.dtype,
+                             extra_attention_layers=1 if self.mtp is not None else 0)
+
+    def rope(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions 0..length-1, from a table grown in powers of two (values do not depend on
+        the table's size)."""
+        dtype = self.lm_head.weight.dtype
+        table = self._rope_table
+        if table is None or table[0].shape[0] < length or table[0].device != device or table[0].dtype != dtype:
+            size = 1 << max(12, (length - 1).bit_length())
+            table = self.rotary.cos_sin(torch.arange(size, device=device), dtype)
+            self._rope_table = table
+        return table[0][:length], table[1][:length]
+
+    @torch.inference_mode()
+    def forward(self, segments: list[Segment], all_logits: bool = False) -> list[torch.Tensor]:
+        """Run new tokens of several sequences; returns per segment the logits of its last token [V]
+        (or of every new token [n, V] with all_logits) and advances each state."""
+        views, row = [], 0
+        for seg in segments:
+            n = seg.token_ids.numel()
+            if n == 0:
+                raise ValueError("a segment needs at least one token")
+            seg.state.check_room(n)
+            start = seg.state.length
+            cos, sin = self.rope(start + n, seg.token_ids.device)
+            views.append(SegmentView(slice(row, row + n), seg.token_ids, start, seg.state, cos, sin))
+            row += n
+        ids = torch.cat([s.token_ids for s in segments])
+        streams = self.model.embed_tokens(ids).repeat(1, self.config.hc_count)
+        for layer in self.model.layers:
+            streams = layer(streams, views)
+        hidden, _ = self.model.hyper_connection_mixer.mix(streams)
+        for seg in segments:
+            seg.state.length += seg.token_ids.numel()
+        if all_logits:
+            return [self.lm_head(hidden[v.rows]) for v in views]
+        last = torch.stack([hidden[v.rows.stop - 1] for v in views])
+        return list(self.lm_head(last))

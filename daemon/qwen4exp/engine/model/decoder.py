@@ -1,0 +1,68 @@
+"""One decoder layer: optional PLE, then a token mixer (Gated DeltaNet or QSA) and the MoE, each behind
+its own hyper-connection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..state import SequenceState
+from .config import ModelConfig
+from .gated_deltanet import GatedDeltaNet
+from .hyper import GatedResidual
+from .moe import SparseMoeBlock
+from .ple import PLELayer
+from .qsa import QSAAttention
+
+
+@dataclass
+class SegmentView:
+    """One sequence's rows inside a packed forward."""
+    rows: slice
+    token_ids: torch.Tensor
+    start: int
+    state: SequenceState
+    cos: torch.Tensor   # positions 0..start+n-1
+    sin: torch.Tensor
+
+
+def moe_block(cfg: ModelConfig) -> SparseMoeBlock:
+    return SparseMoeBlock(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                          cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
+
+
+def hyper_connection(cfg: ModelConfig, inject: bool = True) -> GatedResidual:
+    return GatedResidual(cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank, cfg.rms_norm_eps, inject)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, qsa: bool, ple_index: int | None):
+        super().__init__()
+        self.index = index
+        if qsa:
+            self.self_attn = QSAAttention(cfg)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg)
+        self.mlp = moe_block(cfg)
+        self.ple = PLELayer(cfg, ple_index) if ple_index is not None else None
+        self.attn_hyper_connection = hyper_connection(cfg)
+        self.mlp_hyper_connection = hyper_connection(cfg)
+
+    def forward(self, streams: torch.Tensor, segments: list[SegmentView],
+                state_of=lambda seg, index: seg.state.layers[index]) -> torch.Tensor:
+        if self.ple is not None:
+            streams = streams + torch.cat([
+                self.ple(streams[s.rows], s.token_ids, s.state.ple[self.index]) for s in segments])
+        mixed, gates = self.attn_hyper_connection.mix(streams)
+        outputs = []
+        for s in segments:
+            state = state_of(s, self.index)
+            if hasattr(self, "self_attn"):
+                outputs.append(self.self_attn(mixed[s.rows], s.start, s.cos, s.sin, state))
+            else:
+                outputs.append(self.linear_attn(mixed[s.rows], state))
+        streams = GatedResidual.inject(streams, torch.cat(outputs), gates)
+        mixed, gates = self.mlp_hyper_connection.mix(streams)
+        return GatedResidual.inject(streams, self.mlp(mixed), gates)

@@ -1,0 +1,53 @@
+"""The Gated DeltaNet sublayer (`linear_attn`): projections, causal depthwise conv, the gated delta rule
+and the gated output norm."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..state import DeltaNetState
+from .config import ModelConfig
+from .gdn_ops import gated_delta_rule
+from .norms import GatedRMSNorm
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.k_heads, self.v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
+        conv_dim = 2 * self.key_dim + self.value_dim
+        hidden = cfg.hidden_size
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel_size=cfg.linear_conv_kernel_dim, groups=conv_dim,
+                                bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps, cfg.gdn_gate_activation)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.v_heads, bias=False)
+
+    def forward(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
+        """x [n, H] of one sequence -> [n, H]; advances the conv and recurrent state."""
+        n = x.shape[0]
+        mixed = self._conv(self.in_proj_qkv(x), state)
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(n, self.k_heads, self.dk), k.reshape(n, self.k_heads, self.dk)
+        v = v.reshape(n, self.v_heads, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        core = gated_delta_rule(q, k, v, g, beta, state.recurrent)
+        z = self.in_proj_z(x).reshape(n * self.v_heads, self.dv)
+        core = self.norm(core.reshape(n * self.v_heads, self.dv), z)
+        return self.out_proj(core.reshape(n, self.value_dim))
+
+    def _conv(self, projected: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
+        """Causal depthwise conv over [history, projected] with SiLU; keeps the last kernel-1 inputs."""
+        window = torch.cat((state.conv, projected.t()), dim=-1)
+        state.conv.copy_(window[:, -state.conv.shape[-1]:])
+        return F.silu(self.conv1d(window.unsqueeze(0).to(self.conv1d.weight.dtype))).squeeze(0).t()

@@ -1,0 +1,36 @@
+"""Hyper-connections: the residual is hc_count streams wide; each sublayer reads a learned mix of the
+streams and writes its output back into every stream with its own gate."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norms import RMSNorm
+
+
+class GatedResidual(nn.Module):
+    def __init__(self, hidden: int, hc_count: int, lowrank: int, eps: float, inject: bool = True):
+        super().__init__()
+        self.hidden, self.hc_count = hidden, hc_count
+        width = hidden * hc_count
+        self.hc_norm = RMSNorm(width, eps, group_size=hidden)
+        self.input_mix_weight_down = nn.Linear(width, lowrank, bias=False)
+        self.input_mix_weight_up = nn.Linear(lowrank, width, bias=False)
+        self.block_inject_weight = nn.Linear(width, hc_count, bias=False) if inject else None
+
+    def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """streams [T, hc*H] -> (sublayer input [T, H], per-stream injection gates [T, hc] or None)."""
+        normed = self.hc_norm(streams)
+        weights = F.silu(self.input_mix_weight_down(normed) / self.hc_count)
+        weights = torch.sigmoid(self.input_mix_weight_up(weights)).unflatten(-1, (self.hc_count, self.hidden))
+        mixed = (weights * normed.unflatten(-1, (self.hc_count, self.hidden))).mean(dim=-2)
+        if self.block_inject_weight is None:
+            return mixed, None
+        return mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
+
+    @staticmethod
+    def inject(streams: torch.Tensor, output: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Add the sublayer output [T, H] to every stream, scaled by that stream's gate."""
+        return streams + (output.unsqueeze(-2) * gates.unsqueeze(-1)).flatten(-2)

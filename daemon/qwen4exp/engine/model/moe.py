@@ -1,0 +1,72 @@
+"""The sparse MoE block: softmax router with normalised top-k, routed SwiGLU experts, and a shared
+expert behind a sigmoid gate."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, normalize: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.top_k, self.normalize = top_k, normalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (expert ids [T, k], weights [T, k] in x's dtype)."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(logits.dtype)
+
+
+class Experts(nn.Module):
+    """All experts' weights as two stacked tensors (gate and up fused)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # Experts are visited in ascending order and their outputs summed in x's dtype in that order,
+        # so a token's result does not depend on which other tokens share the batch.
+        out = torch.zeros_like(x)
+        for expert in torch.unique(ids).tolist():
+            token, slot = torch.nonzero(ids == expert, as_tuple=True)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, shared_intermediate: int,
+                 normalize: bool):
+        super().__init__()
+        self.gate = Router(hidden, num_experts, top_k, normalize)
+        self.experts = Experts(num_experts, hidden, intermediate)
+        self.shared_expert = SwiGLU(hidden, shared_intermediate)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(x)
+        ids, weights = self.gate(x)
+        routed = self.experts(x, ids, weights)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared

@@ -1,0 +1,108 @@
+"""Per-Layer Embedding (PLE): hashed token n-grams injected into every hyper-connection stream.
+
+Each token's 2..ngram_size-grams (reset at EOS: an n-gram never reaches back across an end of text) are
+hashed into prime-sized tables; the embeddings are projected to one value and one key per stream, the
+stream activations gate the value, and a dilated depthwise conv adds local context.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..state import PLEState
+from . import ngram_hash
+from .config import ModelConfig
+from .norms import RMSNorm
+
+
+class NGramEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, ple_layer_index: int):
+        super().__init__()
+        self.ngram_size = cfg.ngram_size
+        self.heads_per_ngram = cfg.heads_per_ngram
+        self.eos = cfg.eos_token_id
+        sizes = ngram_hash.head_vocab_sizes(cfg.ngram_vocab_size_base, cfg.ngram_heads, ple_layer_index)
+        multipliers = ngram_hash.layer_multipliers(cfg.vocab_size, cfg.ngram_size, ple_layer_index, cfg.seed)
+        self._constants = {
+            "layer_multipliers": multipliers,
+            "ngram_heads_vocab_sizes": sizes,
+            "ngram_heads_offsets": ngram_hash.head_offsets(sizes),
+        }
+        for name, values in self._constants.items():
+            self.register_buffer(name, torch.tensor(values, dtype=torch.long))
+        rows = ngram_hash.padded_table_rows(sizes, cfg.make_ngram_vocab_size_divisible_by)
+        self.ngram_embedding = nn.Embedding(rows, cfg.ple_embed_dim // cfg.ngram_heads)
+
+    def reset_constants(self) -> None:
+        """Write the derived hash constants into the buffers (after allocating without initialising)."""
+        for name, values in self._constants.items():
+            getattr(self, name).copy_(torch.tensor(values, dtype=torch.long))
+
+    def _shifted(self, history: torch.Tensor, shift: int) -> torch.Tensor:
+        """history[p - shift] where that token is in p's EOS-delimited segment, else EOS."""
+        if shift == 0:
+            return history
+        positions = torch.arange(history.numel(), device=history.device)
+        eos_at = torch.where(history == self.eos, positions, torch.full_like(positions, -1))
+        last_eos_through = torch.cummax(eos_at, dim=0).values
+        last_eos_before = torch.cat((last_eos_through.new_full((1,), -1), last_eos_through[:-1]))
+        source = positions - shift
+        valid = (source >= 0) & (positions - (last_eos_before + 1) >= shift)
+        return torch.where(valid, history[source.clamp_min(0)], torch.full_like(history, self.eos))
+
+    def hash_ids(self, history: torch.Tensor, count: int) -> torch.Tensor:
+        """Table rows [count, heads] for the last `count` tokens of `history`."""
+        shifted = [self._shifted(history, s) for s in range(self.ngram_size)]
+        groups = []
+        for order in range(2, self.ngram_size + 1):
+            mixed = shifted[0] * self.layer_multipliers[0]
+            for s in range(1, order):
+                mixed = torch.bitwise_xor(mixed, shifted[s] * self.layer_multipliers[s])
+            heads = slice((order - 2) * self.heads_per_ngram, (order - 1) * self.heads_per_ngram)
+            rows = torch.remainder(mixed[:, None], self.ngram_heads_vocab_sizes[heads])
+            groups.append(rows + self.ngram_heads_offsets[heads])
+        return torch.cat(groups, dim=-1)[-count:]
+
+    def forward(self, token_ids: torch.Tensor, state: PLEState) -> torch.Tensor:
+        """token_ids [n] -> concatenated head embeddings [n, ple_embed_dim]; advances the id context."""
+        n = token_ids.numel()
+        history = torch.cat((state.context_ids, token_ids.long()))
+        rows = self.hash_ids(history, n)
+        state.context_ids.copy_(history[-state.context_ids.numel():])
+        table = self.ngram_embedding.weight
+        return F.embedding(rows.to(table.device), table).to(token_ids.device).flatten(-2)
+
+
+class PLELayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ple_layer_index: int):
+        super().__init__()
+        hidden, hc = cfg.hidden_size, cfg.hc_count
+        self.hidden, self.hc_count = hidden, hc
+        self.ple_embedding = NGramEmbedding(cfg, ple_layer_index)
+        self.key_proj = nn.Linear(cfg.ple_embed_dim, hc * hidden, bias=False)
+        self.value_proj = nn.Linear(cfg.ple_embed_dim, hidden, bias=False)
+        self.norm_key = RMSNorm(hc * hidden, cfg.rms_norm_eps, group_size=hidden)
+        self.norm_query = RMSNorm(hc * hidden, cfg.rms_norm_eps, group_size=hidden)
+        self.norm_conv = RMSNorm(hc * hidden, cfg.rms_norm_eps, group_size=hidden)
+        self.conv1d = nn.Conv1d(hc * hidden, hc * hidden, kernel_size=cfg.ple_conv_kernel_size,
+                                groups=hc * hidden, dilation=cfg.ngram_size, bias=False)
+
+    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: PLEState) -> torch.Tensor:
+        """streams [n, hc*H] of one sequence -> the PLE term [n, hc*H] to add to them."""
+        embeddings = self.ple_embedding(token_ids, state)
+        keys = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden))
+        value = self.value_proj(embeddings)
+        queries = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden))
+        gate = (keys * queries).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)
+        gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
+        gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
+        return gated + self._short_conv(self.norm_conv(gated), state)
+
+    def _short_conv(self, x: torch.Tensor, state: PLEState) -> torch.Tensor:
+        window = torch.cat((state.conv, x.t()), dim=-1)
+        state.conv.copy_(window[:, -state.conv.shape[-1]:])
+        return F.silu(self.conv1d(window.unsqueeze(0))).squeeze(0).t()

@@ -1,0 +1,110 @@
+"""Qwen Sparse Attention (QSA), the `self_attn` of indexed layers.
+
+An indexer scores compressed keys (the mean of every complete block of `ratio` tokens, normalised and
+rotated at the block's first position) against its own multi-head query: relu(q_h . k_b) summed over
+heads. Each query attends to the tokens of its top `budget / ratio` blocks plus the incomplete tail
+block (which holds the query itself). Up to `dense_limit` visible tokens this is every token.
+Attention itself is gated multi-query attention with q/k RMSNorm and partial RoPE.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..state import AttentionState
+from .config import ModelConfig
+from .norms import RMSNorm
+from .rope import apply_rotary
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.dim = cfg.indexer_n_heads, cfg.indexer_head_dim
+        self.ratio, self.block_topk = cfg.indexer_compress_ratio, cfg.block_topk
+        self.index_qk_proj = nn.Linear(cfg.hidden_size, (self.heads + 1) * self.dim, bias=False)
+        self.q_layernorm = RMSNorm(self.dim, cfg.rms_norm_eps)
+        self.k_layernorm = RMSNorm(self.dim, cfg.rms_norm_eps)
+
+    def select(self, x: torch.Tensor, start: int, cos_all: torch.Tensor, sin_all: torch.Tensor,
+               state: AttentionState) -> torch.Tensor | None:
+        """Token selection for queries at positions start..start+n-1: a bool mask [n, start+n], or None
+        when every query still sees its whole causal context (dense)."""
+        n = x.shape[0]
+        end = start + n
+        q, raw_keys = self.index_qk_proj(x).split([self.heads * self.dim, self.dim], dim=-1)
+        state.index_keys[start:end] = raw_keys
+        self._compress(start, end, cos_all, sin_all, state)
+        if end <= self.block_topk * self.ratio + self.ratio - 1:
+            return None
+        q = apply_rotary(self.q_layernorm(q.reshape(n, self.heads, self.dim)), cos_all[start:end],
+                         sin_all[start:end])
+        positions = torch.arange(start, end, device=x.device)
+        complete = (positions + 1) // self.ratio                   # complete blocks each query sees
+        n_blocks = end // self.ratio
+        blocks = state.block_keys[:n_blocks].float()
+        scores = torch.relu(torch.einsum("nhd,bd->nbh", q.float(), blocks)).sum(-1) / math.sqrt(self.dim)
+        visible = torch.arange(n_blocks, device=x.device)[None, :] < complete[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        # Ties (relu makes many scores exactly 0) go to the earlier block, so the choice is reproducible.
+        best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :self.block_topk]
+        chosen = torch.zeros_like(visible)
+        chosen.scatter_(1, best, True)
+        chosen &= visible
+        token_blocks = torch.arange(end, device=x.device) // self.ratio
+        in_chosen = chosen.gather(1, token_blocks.clamp_max(max(n_blocks - 1, 0))[None, :].expand(n, -1))
+        token = torch.arange(end, device=x.device)[None, :]
+        in_block = token < (complete * self.ratio)[:, None]
+        in_tail = (token >= (complete * self.ratio)[:, None]) & (token <= positions[:, None])
+        return (in_block & in_chosen) | in_tail
+
+    def _compress(self, start: int, end: int, cos_all, sin_all, state: AttentionState) -> None:
+        """Pool, normalise and rotate the blocks completed by this chunk."""
+        first, last = start // self.ratio, end // self.ratio
+        if last <= first:
+            return
+        raw = state.index_keys[first * self.ratio:last * self.ratio].reshape(last - first, self.ratio, self.dim)
+        pooled = self.k_layernorm(raw.float().mean(dim=1).to(raw.dtype))
+        block_starts = torch.arange(first, last, device=raw.device) * self.ratio
+        state.block_keys[first:last] = apply_rotary(pooled, cos_all[block_starts], sin_all[block_starts])
+
+
+class QSAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        hidden = cfg.hidden_size
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.indexer = Indexer(cfg)
+
+    def forward(self, x: torch.Tensor, start: int, cos_all: torch.Tensor, sin_all: torch.Tensor,
+                state: AttentionState) -> torch.Tensor:
+        """x [n, H] of one sequence whose first token is at `start`; cos/sin cover positions 0..start+n-1."""
+        n = x.shape[0]
+        end = start + n
+        selected = self.indexer.select(x, start, cos_all, sin_all, state)
+        q, gate = self.q_proj(x).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        cos, sin = cos_all[start:end], sin_all[start:end]
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), cos, sin)
+        state.keys[:, start:end] = k.transpose(0, 1)
+        state.values[:, start:end] = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        if selected is None:
+            token = torch.arange(end, device=x.device)
+            selected = token[None, :] <= (start + torch.arange(n, device=x.device))[:, None]
+        groups = self.heads // self.kv_heads
+        keys = state.keys[:, :end].repeat_interleave(groups, dim=0)
+        values = state.values[:, :end].repeat_interleave(groups, dim=0)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=selected[None],
+                                             scale=self.head_dim ** -0.5)
+        out = out.transpose(0, 1).reshape(n, self.heads * self.head_dim)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))

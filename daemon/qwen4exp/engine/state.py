@@ -1,0 +1,96 @@
+"""Per-sequence state of qwen4_exp: everything a sequence carries from one forward to the next.
+
+Sized for a fixed capacity at creation so that later work can snapshot, restore and budget it:
+- QSA layers: K/V [kv_heads, capacity, head_dim], raw indexer keys [capacity, index_dim] and the
+  compressed (pooled, normalised, rotated) block keys [capacity / ratio, index_dim];
+- Gated DeltaNet layers: the last kernel-1 conv inputs and the float32 recurrent state;
+- PLE layers: the dilated conv's input history and the last ngram_size-1 token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model.config import ModelConfig
+
+
+class CapacityError(ValueError):
+    """A sequence would grow past the capacity its state was allocated for."""
+
+
+@dataclass
+class AttentionState:
+    keys: torch.Tensor
+    values: torch.Tensor
+    index_keys: torch.Tensor
+    block_keys: torch.Tensor
+
+
+@dataclass
+class DeltaNetState:
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+@dataclass
+class PLEState:
+    conv: torch.Tensor
+    context_ids: torch.Tensor
+
+
+class SequenceState:
+    def __init__(self, cfg: ModelConfig, capacity: int, device: torch.device | str, dtype: torch.dtype,
+                 extra_attention_layers: int = 0):
+        ratio = cfg.indexer_compress_ratio
+        if capacity <= 0:
+            raise CapacityError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self.length = 0
+        self.layers: list[AttentionState | DeltaNetState] = []
+        self.ple: dict[int, PLEState] = {}
+        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
+            cfg.linear_num_value_heads * cfg.linear_value_head_dim
+
+        def attention() -> AttentionState:
+            return AttentionState(
+                keys=torch.zeros(cfg.num_key_value_heads, capacity, cfg.head_dim, device=device, dtype=dtype),
+                values=torch.zeros(cfg.num_key_value_heads, capacity, cfg.head_dim, device=device, dtype=dtype),
+                index_keys=torch.zeros(capacity, cfg.indexer_head_dim, device=device, dtype=dtype),
+                block_keys=torch.zeros(-(-capacity // ratio), cfg.indexer_head_dim, device=device, dtype=dtype),
+            )
+
+        for i in range(cfg.num_hidden_layers):
+            if cfg.is_qsa(i):
+                self.layers.append(attention())
+            else:
+                self.layers.append(DeltaNetState(
+                    conv=torch.zeros(conv_dim, cfg.linear_conv_kernel_dim - 1, device=device, dtype=dtype),
+                    recurrent=torch.zeros(cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                          cfg.linear_value_head_dim, device=device, dtype=torch.float32),
+                ))
+            if i + 1 in cfg.ple_layer_ids:
+                self.ple[i] = PLEState(
+                    conv=torch.zeros(cfg.hc_count * cfg.hidden_size, cfg.ple_conv_state_len, device=device,
+                                     dtype=dtype),
+                    context_ids=torch.full((cfg.ngram_size - 1,), cfg.eos_token_id, device=device,
+                                           dtype=torch.long),
+                )
+        # Attention layers outside the main stack (the MTP head) keep their caches here.
+        self.extra = [attention() for _ in range(extra_attention_layers)]
+
+    def check_room(self, new_tokens: int) -> None:
+        if self.length + new_tokens > self.capacity:
+            raise CapacityError(
+                f"{self.length} cached + {new_tokens} new tokens exceed this sequence's capacity of "
+                f"{self.capacity} tokens"
+            )
+
+    def nbytes(self) -> int:
+        tensors = []
+        for layer in self.layers + self.extra:
+            tensors += list(vars(layer).values())
+        for ple in self.ple.values():
+            tensors += [ple.conv, ple.context_ids]
+        return sum(t.numel() * t.element_size() for t in tensors)

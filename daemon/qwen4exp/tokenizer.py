@@ -1,0 +1,176 @@
+"""The runtime tokenizer: encode, decode, the chat template, and streaming detokenization.
+
+Wraps a Hugging Face `tokenizer.json` (via the `tokenizers` library) and the checkpoint's chat template (rendered
+by a sandboxed jinja2 environment, with the same whitespace options as transformers so both render alike).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class TokenizerError(ValueError):
+    """A tokenizer directory that cannot be used; the message names the file and the directory."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte -> printable character table of byte-level BPE (GPT-2): printable bytes map to themselves."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in keep:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {char: byte for byte, char in _bytes_to_unicode().items()}
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise TokenizerError(f"{path} is not valid JSON: {exc}") from exc
+
+
+class Tokenizer:
+    """A checkpoint directory's tokenizer. Build with `Tokenizer.from_dir(path)`."""
+
+    def __init__(self, hf: HFTokenizer, chat_template: str | None, eos_token_ids: list[int], vocab_size: int,
+                 source: Path):
+        self._hf = hf
+        self.source = source
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.special_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+        self._template = None
+        if chat_template is not None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_exception
+            try:
+                self._template = env.from_string(chat_template)
+            except TemplateError as exc:
+                raise TokenizerError(f"{source}: the chat template does not parse: {exc}") from exc
+        self._token_bytes = self._byte_table()
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        root = Path(path)
+        tokenizer_file = root / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(f"no tokenizer.json in {root} (expected {tokenizer_file})")
+        try:
+            hf = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust side raises a bare Exception
+            raise TokenizerError(f"{tokenizer_file} cannot be loaded: {exc}") from exc
+        tok_config = _read_json(root / "tokenizer_config.json") if (root / "tokenizer_config.json").is_file() else {}
+        template_file = root / "chat_template.jinja"
+        template = tok_config.get("chat_template")
+        if template_file.is_file():  # transformers 5 prefers the separate file too
+            template = template_file.read_text(encoding="utf-8")
+        model_config = _read_json(root / "config.json") if (root / "config.json").is_file() else {}
+        text_config = model_config.get("text_config", model_config)
+        return cls(hf, template, _eos_ids(root, text_config, tok_config, hf),
+                   int(text_config.get("vocab_size") or hf.get_vocab_size(with_added_tokens=True)), root)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token strings in it (e.g. from the chat template) become their ids."""
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        if self._template is None:
+            raise TokenizerError(f"{self.source} has no chat template (chat_template.jinja or tokenizer_config.json)")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._hf.id_to_token(token_id)
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+    def _byte_table(self) -> dict[int, bytes] | None:
+        """Raw bytes of every token when the tokenizer is byte-level BPE, else None (then decode-diffing is used)."""
+        decoder = json.loads(self._hf.to_str()).get("decoder") or {}
+        if decoder.get("type") != "ByteLevel":
+            return None
+        added = {i: t.content.encode() for i, t in self._hf.get_added_tokens_decoder().items()}
+        table = {}
+        for token, token_id in self._hf.get_vocab(with_added_tokens=False).items():
+            if token_id in added:
+                continue
+            try:
+                table[token_id] = bytes(_UNICODE_TO_BYTE[c] for c in token)
+            except KeyError:
+                return None  # not a pure byte-level vocabulary
+        table.update(added)
+        return table
+
+
+def _eos_ids(root: Path, text_config: dict[str, Any], tok_config: dict[str, Any], hf: HFTokenizer) -> list[int]:
+    """Stop ids: generation_config.json's eos_token_id, else the model config's, else the tokenizer's eos token."""
+    gen_file = root / "generation_config.json"
+    for source in (_read_json(gen_file) if gen_file.is_file() else {}, text_config):
+        eos = source.get("eos_token_id")
+        if eos is not None:
+            return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    eos_token = tok_config.get("eos_token")
+    eos_token = eos_token.get("content") if isinstance(eos_token, dict) else eos_token
+    token_id = hf.token_to_id(eos_token) if eos_token else None
+    return [token_id] if token_id is not None else []
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of ids into text, emitting only complete UTF-8 characters.
+
+    A multi-byte character split across tokens is held back until its last byte arrives, so the stream never
+    shows U+FFFD for it; call `flush()` at the end of the stream to release whatever is left.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = tokenizer.special_ids if skip_special_tokens else frozenset()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list[int] = []  # decode-diff fallback for tokenizers that are not byte-level
+        self._emitted = 0
+
+    def push(self, token_id: int) -> str:
+        """Add one id; return the text that became complete."""
+        if token_id in self._skip:
+            return ""
+        table = self._tok._token_bytes
+        if table is not None:
+            return self._utf8.decode(table.get(token_id, b""))
+        self._ids.append(token_id)
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self._emitted = text[self._emitted:], len(text)
+        return new
+
+    def feed(self, ids: Iterable[int]) -> str:
+        return "".join(self.push(i) for i in ids)
+
+    def flush(self) -> str:
+        if self._tok._token_bytes is not None:
+            return self._utf8.decode(b"", final=True)
+        text = self._tok.decode(self._ids)
+        new, self._emitted = text[self._emitted:], len(text)
+        return new
