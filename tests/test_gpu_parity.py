@@ -1,11 +1,17 @@
-"""The parity of test_model_parity on a CUDA/ROCm device: float32 (exact greedy ids) and bfloat16.
+"""The parity of test_model_parity on a CUDA/ROCm device, in float32 and bfloat16.
 
-Run on a GPU host with `pytest -m gpu`. In bfloat16 both implementations round differently, so the
-logits agree within BF16_TOL and greedy ids must agree until a near-tie (two candidates within
-BF16_TOL of each other in the reference's logits) flips a choice.
+Run on a GPU host with `pytest -m gpu`. In bfloat16 both sides use flash-linear-attention's Gated DeltaNet
+kernels (transformers picks them up when installed); they round differently, so each bf16 run is measured
+against the float32 reference: our error may not exceed the reference's own by more than 50%. In float32
+we run the exact torch forms (fla's chunk kernel rounds through TF32), and so does the reference here.
+Greedy ids must agree, except where the reference itself sees a near-tie (two candidates within
+BF16_TIE of each other) at the first difference.
 """
 
 from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
@@ -17,83 +23,117 @@ from qwen4exp.engine.model.causal_lm import Segment
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
+reference_module = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
 
 FP32_TOL = 2e-4
-BF16_TOL = 0.25
+BF16_TIE = 0.25
+DTYPES = ("float32", "bfloat16")
 
 
-def _needs_gpu():
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA/ROCm device")
-
-
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def pair(request, tiny_checkpoint):
-    _needs_gpu()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    dtype = getattr(torch, request.param)
-    ref = transformers.Qwen4ExpForCausalLM.from_pretrained(tiny_checkpoint, dtype=dtype, device_map="cuda").eval()
-    ours = load_model(str(tiny_checkpoint), dtype=dtype, device="cuda", progress=False)
-    return request.param, ref, ours
+    ref, ours = {}, {}
+    for name in DTYPES:
+        dtype = getattr(torch, name)
+        ref[name] = transformers.Qwen4ExpForCausalLM.from_pretrained(
+            tiny_checkpoint, dtype=dtype, device_map="cuda").eval()
+        ours[name] = load_model(str(tiny_checkpoint), dtype=dtype, device="cuda", progress=False)
+    return ref, ours
 
 
-def _prompt(n: int, limit: int, seed: int) -> torch.Tensor:
+@contextmanager
+def exact_reference():
+    """Run transformers' own torch Gated DeltaNet functions instead of the fla kernels it picked at import."""
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    saved = {name: getattr(reference_module, name) for name in names}
+    for name, fn in saved.items():
+        setattr(reference_module, name, inspect.unwrap(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(reference_module, name, fn)
+
+
+def _prompt(n: int, seed: int, limit: int = 1000) -> torch.Tensor:
     return torch.randint(0, limit, (n,), generator=torch.Generator().manual_seed(seed)).cuda()
 
 
-def test_fla_kernels_are_used_on_gpu():
-    _needs_gpu()
+def _ours(model, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    state = model.new_state(ids.numel() + 8)
+    step = chunk or ids.numel()
+    return torch.cat([model([Segment(ids[i:i + step], state)], all_logits=True)[0]
+                      for i in range(0, ids.numel(), step)]).float()
+
+
+def _reference(model, ids: torch.Tensor) -> torch.Tensor:
+    exact = exact_reference() if model.dtype == torch.float32 else nullcontext()
+    with torch.no_grad(), exact:
+        return model(ids[None]).logits[0].float()
+
+
+def test_fla_kernels_are_used_on_gpu(models):
     assert gdn_ops.fla_available(), "flash-linear-attention must be installed on GPU hosts"
 
 
-def test_logits_match_reference(pair):
-    name, ref, ours = pair
-    ids = _prompt(300, ours.config.eos_token_id, seed=0)
-    with torch.no_grad():
-        expected = ref(ids[None]).logits[0].float()
-    got = ours([Segment(ids, ours.new_state(320))], all_logits=True)[0].float()
-    diff = (got - expected).abs().max().item()
-    tol = FP32_TOL if name == "float32" else BF16_TOL
-    print(f"{name}: max |logit diff| over 300 positions = {diff:.4g}")
-    assert diff < tol
+def test_float32_logits_match_reference(models):
+    ref, ours = models
+    ids = _prompt(300, seed=0)
+    diff = (_ours(ours["float32"], ids) - _reference(ref["float32"], ids)).abs().max().item()
+    print(f"float32: max |ours - reference| over 300 positions = {diff:.4g}")
+    assert diff < FP32_TOL
 
 
-def test_greedy_ids_match_reference(pair):
-    name, ref, ours = pair
-    ids = _prompt(120, ours.config.eos_token_id, seed=1)
-    with torch.no_grad():
-        out = ref.generate(ids[None], max_new_tokens=64, min_new_tokens=64, do_sample=False, eos_token_id=None,
-                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+@pytest.mark.parametrize("chunk", [None, 1, 3, 4, 64])
+def test_bfloat16_error_is_no_larger_than_the_reference(models, chunk):
+    ref, ours = models
+    ids = _prompt(300, seed=0)
+    truth = _reference(ref["float32"], ids)
+    ref_err = (_reference(ref["bfloat16"], ids) - truth).abs().max().item()
+    our_err = (_ours(ours["bfloat16"], ids, chunk) - truth).abs().max().item()
+    print(f"bfloat16 chunk={chunk}: max error vs float32 reference: ours {our_err:.4g}, reference {ref_err:.4g}")
+    assert our_err <= 1.5 * ref_err
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 64])
+def test_float32_chunked_prefill_equals_one_shot(models, chunk):
+    _, ours = models
+    ids = _prompt(140, seed=2)
+    diff = (_ours(ours["float32"], ids, chunk) - _ours(ours["float32"], ids)).abs().max().item()
+    print(f"float32: chunk {chunk} vs one-shot max diff {diff:.4g}")
+    assert diff < FP32_TOL
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_greedy_ids_match_reference(models, name):
+    ref, ours = models
+    ids = _prompt(120, seed=1)
+    with torch.no_grad(), (exact_reference() if name == "float32" else nullcontext()):
+        out = ref[name].generate(ids[None], max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     expected = out.sequences[0, ids.numel():].tolist()
-    got = generate(ours, ids.tolist(), max_tokens=64).token_ids
+    got = generate(ours[name], ids.tolist(), max_tokens=64).token_ids
     if name == "float32" or got == expected:
         assert got == expected
         return
     first = next(i for i, (a, b) in enumerate(zip(expected, got)) if a != b)
     logits = out.logits[first][0].float()
     gap = (logits[expected[first]] - logits[got[first]]).abs().item()
-    print(f"bfloat16: ids differ first at step {first}; reference logit gap between the candidates = {gap:.4g}")
-    assert gap < BF16_TOL, "a difference that is not a bf16 near-tie"
+    print(f"bfloat16: ids differ first at step {first}; the reference's logit gap there is {gap:.4g}")
+    assert gap < BF16_TIE, "a difference that is not a bf16 near-tie"
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 4, 64])
-def test_chunked_prefill_equals_one_shot(pair, chunk):
-    name, _, ours = pair
-    ids = _prompt(140, ours.config.eos_token_id, seed=2)
-    whole = ours([Segment(ids, ours.new_state(150))], all_logits=True)[0].float()
-    state = ours.new_state(150)
-    pieces = [ours([Segment(ids[i:i + chunk], state)], all_logits=True)[0] for i in range(0, 140, chunk)]
-    diff = (torch.cat(pieces).float() - whole).abs().max().item()
-    print(f"{name}: chunk {chunk} vs one-shot max diff {diff:.4g}")
-    assert diff < (FP32_TOL if name == "float32" else BF16_TOL)
-
-
-def test_batch_of_different_lengths_equals_each_alone(pair):
-    name, _, ours = pair
-    prompts = [_prompt(n, ours.config.eos_token_id, seed=n) for n in (5, 37, 180)]
-    alone = [ours([Segment(p, ours.new_state(200))], all_logits=True)[0].float() for p in prompts]
-    together = ours([Segment(p, ours.new_state(200)) for p in prompts], all_logits=True)
+@pytest.mark.parametrize("name", DTYPES)
+def test_batch_of_different_lengths_equals_each_alone(models, name):
+    _, ours = models
+    model = ours[name]
+    prompts = [_prompt(n, seed=n) for n in (5, 37, 180)]
+    alone = [_ours(model, p) for p in prompts]
+    together = model([Segment(p, model.new_state(200)) for p in prompts], all_logits=True)
     diff = max((a - t.float()).abs().max().item() for a, t in zip(alone, together))
     print(f"{name}: batch vs alone max diff {diff:.4g}")
-    assert diff < (FP32_TOL if name == "float32" else BF16_TOL)
+    assert diff < (FP32_TOL if name == "float32" else BF16_TIE)

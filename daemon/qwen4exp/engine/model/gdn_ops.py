@@ -4,7 +4,10 @@ Per value head, with q and k L2-normalised and q scaled by 1/sqrt(d_k), each tok
     S <- exp(g_t) * S;  S <- S + k_t (beta_t (v_t - k_t^T S))^T;  o_t = q_t^T S
 The chunked form processes C tokens at once: inside a chunk the updates are folded into a unit lower
 triangular system (the WY form), and the state is carried from chunk to chunk.
-On CUDA/ROCm the same rule runs in flash-linear-attention's Triton kernels when they are installed.
+On CUDA/ROCm, bfloat16 and float16 models run the same rule in flash-linear-attention's Triton kernels
+when they are installed. float32 models keep the exact torch forms: fla's chunk kernel rounds its dot
+products through TF32 (about 1e-3 relative error on H200), which would make float32 results depend on
+how a prompt is chunked.
 """
 
 from __future__ import annotations
@@ -97,8 +100,8 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int =
 
 
 def gated_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
-    """Dispatch: fla on GPU when installed, else the float32 torch forms above."""
-    if _fla_chunk is not None and q.is_cuda:
+    """Dispatch: fla for half-precision models on GPU when installed, else the float32 torch forms above."""
+    if _fla_chunk is not None and q.is_cuda and v.dtype != torch.float32:
         return _fla_gated_delta_rule(q, k, v, g, beta, state)
     if q.shape[0] == 1:
         return recurrent_gated_delta_rule(q, k, v, g, beta, state)
