@@ -50,6 +50,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     model = load_model(str(model_dir), dtype=args.dtype, device=args.device, progress=not args.json)
     tokenizer = Tokenizer.from_dir(model_dir)
+    if args.prompts_file is not None:
+        return _generate_many(args, model, tokenizer)
     if args.prompt_ids is not None:
         prompt_ids = _parse_ids(args.prompt_ids)
     elif args.chat:
@@ -92,6 +94,51 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_many(args: argparse.Namespace, model, tokenizer) -> int:
+    """Run every request of --prompts-file together through the engine; print the answers in file order."""
+    import time
+
+    from .engine.engine import Engine
+    from .engine.request import RequestRejected
+    from .prompts_file import PromptsFileError, read_requests
+
+    eos = () if args.ignore_eos else tuple(tokenizer.eos_token_ids)
+    try:
+        requests = read_requests(args.prompts_file, tokenizer, args.max_tokens, eos)
+    except PromptsFileError as err:
+        raise SystemExit(f"error: {err}") from None
+    chunk = args.chunk or 512
+    longest = max(len(r.prompt_ids) + r.max_tokens for r in requests)
+    context = args.context or -(-longest // chunk) * chunk
+    try:
+        engine = Engine(model, slots=args.slots, context=context, chunk=chunk, tokenizer=tokenizer,
+                        queue_limit=max(64, len(requests)))
+        started = time.perf_counter()
+        for number, request in enumerate(requests, start=1):
+            try:
+                engine.submit(request)
+            except RequestRejected as err:
+                raise SystemExit(f"error: {args.prompts_file} request {number}: {err}") from None
+        engine.run_until_idle()
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    wall = time.perf_counter() - started
+    answers = [{"index": i, "prompt_tokens": len(r.prompt_ids), "token_ids": r.output_ids, "text": r.text,
+                "finish_reason": r.finish_reason.value, "error": r.error, "timings": r.timings()}
+               for i, r in enumerate(requests)]
+    if args.json:
+        print(json.dumps({"slots": args.slots, "context": context, "chunk": chunk, "wall_s": round(wall, 3),
+                          "generated_tokens": sum(len(r.output_ids) for r in requests), "answers": answers}))
+        return 0
+    for answer in answers:
+        print(f"### {answer['index']}: {answer['prompt_tokens']} prompt tokens, {len(answer['token_ids'])} generated, "
+              f"{answer['finish_reason']}{' (' + answer['error'] + ')' if answer['error'] else ''}")
+        print(answer["text"])
+        print(f"ids: {answer['token_ids']}")
+        print(f"timings: {answer['timings']}\n")
+    return 0
+
+
 def cmd_init_checkpoint(args: argparse.Namespace) -> int:
     import torch
 
@@ -113,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    source.add_argument("--prompts-file", help="JSONL, one request per line, run together through the engine "
+                        "(see qwen4exp/prompts_file.py for the fields)")
+    gen.add_argument("--slots", type=int, default=4, help="engine slots for --prompts-file (1-8)")
+    gen.add_argument("--context", type=int, default=None,
+                     help="per-slot context for --prompts-file (default: the longest request, rounded up)")
     gen.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn of the chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--greedy", action="store_true", help="pick the most likely token (same as --temperature 0)")

@@ -47,7 +47,7 @@ def generate(model: Qwen4ExpForCausalLM, prompt_ids: list[int], max_tokens: int,
         raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
     device = model.lm_head.weight.device
     state = model.new_state(len(prompt_ids) + max_tokens)
-    sampler = Sampler(sampling)
+    sampler = Sampler(sampling, prompt_ids)
     result = Generation(prompt_tokens=len(prompt_ids))
     ids = torch.tensor(prompt_ids, dtype=torch.long, device=device)
     step = chunk or len(prompt_ids)

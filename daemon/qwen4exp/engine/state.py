@@ -48,6 +48,7 @@ class SequenceState:
             raise CapacityError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.length = 0
+        self._eos = cfg.eos_token_id
         self.layers: list[AttentionState | DeltaNetState] = []
         self.ple: dict[int, PLEState] = {}
         conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
@@ -79,6 +80,18 @@ class SequenceState:
                 )
         # Attention layers outside the main stack (the MTP head) keep their caches here.
         self.extra = [attention() for _ in range(extra_attention_layers)]
+
+    def reset(self) -> None:
+        """Empty the sequence for reuse. K/V and indexer keys past `length` are never read, so only the
+        states that are read whole (conv, recurrent, PLE) are cleared."""
+        self.length = 0
+        for layer in self.layers:
+            if isinstance(layer, DeltaNetState):
+                layer.conv.zero_()
+                layer.recurrent.zero_()
+        for ple in self.ple.values():
+            ple.conv.zero_()
+            ple.context_ids.fill_(self._eos)
 
     def check_room(self, new_tokens: int) -> None:
         if self.length + new_tokens > self.capacity:

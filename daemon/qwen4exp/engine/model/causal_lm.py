@@ -76,14 +76,33 @@ class Qwen4ExpForCausalLM(nn.Module):
             cos, sin = self.rope(start + n, seg.token_ids.device)
             views.append(SegmentView(slice(row, row + n), seg.token_ids, start, seg.state, cos, sin))
             row += n
-        ids = torch.cat([s.token_ids for s in segments])
-        streams = self.model.embed_tokens(ids).repeat(1, self.config.hc_count)
-        for layer in self.model.layers:
-            streams = layer(streams, views)
-        hidden, _ = self.model.hyper_connection_mixer.mix(streams)
-        for seg in segments:
-            seg.state.length += seg.token_ids.numel()
+        hidden = self._run(torch.cat([s.token_ids for s in segments]), views, fixed_rows=False)
         if all_logits:
             return [self.lm_head(hidden[v.rows]) for v in views]
         last = torch.stack([hidden[v.rows.stop - 1] for v in views])
         return list(self.lm_head(last))
+
+    @torch.inference_mode()
+    def decode_step(self, token_ids: torch.Tensor, states: list[SequenceState | None]) -> torch.Tensor:
+        """One decode step at a fixed batch shape: row i carries the next token of states[i], or is idle
+        (None: its token is ignored and no state is touched). Returns logits [rows, V]. With the shape
+        fixed, a row's logits depend only on its own sequence, not on which other rows are busy."""
+        if token_ids.shape != (len(states),):
+            raise ValueError(f"decode_step needs one token per row: {tuple(token_ids.shape)} for {len(states)} rows")
+        views = []
+        for row, state in enumerate(states):
+            if state is None:
+                continue
+            state.check_room(1)
+            cos, sin = self.rope(state.length + 1, token_ids.device)
+            views.append(SegmentView(slice(row, row + 1), token_ids[row:row + 1], state.length, state, cos, sin))
+        return self.lm_head(self._run(token_ids, views, fixed_rows=True))
+
+    def _run(self, ids: torch.Tensor, views: list[SegmentView], fixed_rows: bool) -> torch.Tensor:
+        streams = self.model.embed_tokens(ids).repeat(1, self.config.hc_count)
+        for layer in self.model.layers:
+            streams = layer(streams, views, fixed_rows)
+        hidden, _ = self.model.hyper_connection_mixer.mix(streams)
+        for view in views:
+            view.state.length += view.token_ids.numel()
+        return hidden

@@ -50,19 +50,22 @@ class DecoderLayer(nn.Module):
         self.attn_hyper_connection = hyper_connection(cfg)
         self.mlp_hyper_connection = hyper_connection(cfg)
 
-    def forward(self, streams: torch.Tensor, segments: list[SegmentView],
-                state_of=lambda seg, index: seg.state.layers[index]) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, segments: list[SegmentView], fixed_rows: bool = False) -> torch.Tensor:
+        """Rows not covered by a segment (idle decode slots) get no token-mixer or PLE output.
+        fixed_rows: compute the MoE so that a row's result cannot depend on the other rows' routing."""
         if self.ple is not None:
-            streams = streams + torch.cat([
-                self.ple(streams[s.rows], s.token_ids, s.state.ple[self.index]) for s in segments])
+            term = torch.zeros_like(streams)
+            for s in segments:
+                term[s.rows] = self.ple(streams[s.rows], s.token_ids, s.state.ple[self.index])
+            streams = streams + term
         mixed, gates = self.attn_hyper_connection.mix(streams)
-        outputs = []
+        mixer_out = torch.zeros_like(mixed)
         for s in segments:
-            state = state_of(s, self.index)
+            state = s.state.layers[self.index]
             if hasattr(self, "self_attn"):
-                outputs.append(self.self_attn(mixed[s.rows], s.start, s.cos, s.sin, state))
+                mixer_out[s.rows] = self.self_attn(mixed[s.rows], s.start, s.cos, s.sin, state)
             else:
-                outputs.append(self.linear_attn(mixed[s.rows], state))
-        streams = GatedResidual.inject(streams, torch.cat(outputs), gates)
+                mixer_out[s.rows] = self.linear_attn(mixed[s.rows], state)
+        streams = GatedResidual.inject(streams, mixer_out, gates)
         mixed, gates = self.mlp_hyper_connection.mix(streams)
-        return GatedResidual.inject(streams, self.mlp(mixed), gates)
+        return GatedResidual.inject(streams, self.mlp(mixed, fixed_rows), gates)

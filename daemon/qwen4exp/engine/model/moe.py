@@ -44,6 +44,20 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
+    def forward_per_row(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each row through its own k experts as a batch of matrix-vector products, summed in slot order:
+        a row's result depends only on the row (for a fixed number of rows), not on other rows' routing."""
+        rows, k = ids.shape
+        flat = ids.reshape(-1)
+        inputs = x.repeat_interleave(k, dim=0).unsqueeze(-1)
+        gate, up = torch.bmm(self.gate_up_proj[flat], inputs).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        y = y.view(rows, k, -1) * weights.unsqueeze(-1)
+        out = y[:, 0]
+        for slot in range(1, k):
+            out = out + y[:, slot]
+        return out
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # Experts are visited in ascending order and their outputs summed in x's dtype in that order,
         # so a token's result does not depend on which other tokens share the batch.
@@ -65,8 +79,8 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SwiGLU(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fixed_rows: bool = False) -> torch.Tensor:
         shared = self.shared_expert(x)
         ids, weights = self.gate(x)
-        routed = self.experts(x, ids, weights)
+        routed = self.experts.forward_per_row(x, ids, weights) if fixed_rows else self.experts(x, ids, weights)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared

@@ -1,0 +1,230 @@
+"""The serving engine: N exact slots, chunked prefill interleaved with batched decode.
+
+One step reads in three lines: schedule (cancellations, admissions), run (one prompt chunk in its own
+forward, then one decode forward over all N rows), postprocess (sample, stream, finish).
+Exactness: every prompt is cut at multiples of `chunk` from position 0 and each chunk runs alone, and
+decode always runs all N rows (idle rows masked), so a request's numbers never depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+import torch
+
+from .model.causal_lm import Qwen4ExpForCausalLM, Segment
+from .request import FinishReason, QueueFull, Request, RequestRejected
+from .sampling import Sampler
+from .slots import Slot, SlotPool
+from .stops import StopMatcher
+
+log = logging.getLogger("qwen4exp.engine")
+
+
+class Engine:
+    def __init__(self, model: Qwen4ExpForCausalLM, slots: int = 4, context: int = 4096, chunk: int = 512,
+                 restore_spacing: int | None = None, queue_limit: int = 64, tokenizer=None):
+        cfg = model.config
+        spacing = restore_spacing or chunk
+        if not 1 <= slots <= 8:
+            raise ValueError(f"slots must be between 1 and 8, got {slots}")
+        if spacing % cfg.indexer_compress_ratio or chunk % spacing:
+            raise ValueError(f"chunk ({chunk}) must be a multiple of the restore spacing ({spacing}), itself a "
+                             f"multiple of the QSA compress ratio ({cfg.indexer_compress_ratio})")
+        self.model, self.context, self.chunk, self.restore_spacing = model, context, chunk, spacing
+        self.tokenizer = tokenizer
+        self.device = model.lm_head.weight.device
+        self.pool = SlotPool.allocate(model, slots, context)
+        self.queue_limit = queue_limit
+        self._queue: collections.deque[Request] = collections.deque()
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._prefill_turn = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- submission (any thread) -------------------------------------------------------------------
+    def submit(self, request: Request) -> Request:
+        self._validate(request)
+        with self._lock:
+            if len(self._queue) >= self.queue_limit:
+                raise QueueFull(f"the queue is full ({self.queue_limit} requests waiting)")
+            self._queue.append(request)
+        self._wake.set()
+        return request
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a queued or running request; its slot is free after the step in progress."""
+        with self._lock:
+            self._cancelled.add(request_id)
+        self._wake.set()
+
+    def _validate(self, request: Request) -> None:
+        vocab = self.model.config.vocab_size
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise RequestRejected("the prompt has no tokens")
+        if request.max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be >= 1, got {request.max_tokens}")
+        bad = [t for t in request.prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if n + request.max_tokens > self.context:
+            raise RequestRejected(f"prompt of {n} tokens + max_tokens {request.max_tokens} = "
+                                  f"{n + request.max_tokens} exceeds the context of {self.context} tokens")
+        if request.stop and self.tokenizer is None:
+            raise RequestRejected("stop strings need a tokenizer; this engine has none")
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._queue and not self.pool.busy()
+
+    def step(self) -> None:
+        self._schedule()
+        self._prefill_one_chunk()
+        self._decode()
+
+    def run_until_idle(self) -> None:
+        while not self.idle:
+            self.step()
+
+    def start(self) -> None:
+        """Run steps on a background thread until stop()."""
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="qwen4exp-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            if self.idle:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                with self._lock:
+                    pending_cancel = bool(self._cancelled)
+                if pending_cancel:
+                    self._schedule()
+                continue
+            self.step()
+
+    # ---- schedule ---------------------------------------------------------------------------------
+    def _schedule(self) -> None:
+        """Cancellations first (so their slots are free at once), then admissions in FIFO order."""
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            dropped = [r for r in self._queue if r.id in cancelled]
+            self._queue = collections.deque(r for r in self._queue if r.id not in cancelled)
+        for request in dropped:
+            self._finish(None, request, FinishReason.CANCELLED)
+        for slot in self.pool.busy():
+            if slot.request.id in cancelled:
+                self._finish(slot, slot.request, FinishReason.CANCELLED)
+        for slot in self.pool.free():
+            with self._lock:
+                if not self._queue:
+                    break
+                request = self._queue.popleft()
+            self._start(slot, request)
+
+    def _start(self, slot: Slot, request: Request) -> None:
+        slot.state.reset()
+        slot.request = request
+        slot.sampler = Sampler(request.sampling, request.prompt_ids)
+        if self.tokenizer is not None:
+            slot.detokenizer = self.tokenizer.detokenizer()
+            if request.stop:
+                slot.stops = StopMatcher(list(request.stop))
+        request.started_at = time.perf_counter()
+
+    # ---- run --------------------------------------------------------------------------------------
+    def _prefill_one_chunk(self) -> None:
+        """One chunk of one prefilling slot (round-robin), in its own forward."""
+        waiting = [s for s in self.pool.slots if s.busy and s.next_token is None]
+        if not waiting:
+            return
+        slot = min(waiting, key=lambda s: (s.index - self._prefill_turn) % len(self.pool.slots))
+        self._prefill_turn = slot.index + 1
+        request = slot.request
+        begin = slot.prefilled
+        end = min(len(request.prompt_ids), (begin // self.chunk + 1) * self.chunk)
+        try:
+            ids = torch.tensor(request.prompt_ids[begin:end], dtype=torch.long, device=self.device)
+            logits = self.model([Segment(ids, slot.state)])[0]
+            slot.prefilled = end
+            if end == len(request.prompt_ids):
+                self._accept(slot, slot.sampler(logits))
+        except Exception as err:  # noqa: BLE001 - an engine error fails this request only
+            log.exception("prefill failed for %s", request.id)
+            self._finish(slot, request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
+
+    def _decode(self) -> None:
+        active = [s for s in self.pool.slots if s.decoding]
+        if not active:
+            return
+        tokens = torch.zeros(len(self.pool.slots), dtype=torch.long)
+        states = [None] * len(self.pool.slots)
+        for slot in active:
+            tokens[slot.index] = slot.next_token
+            states[slot.index] = slot.state
+        try:
+            logits = self.model.decode_step(tokens.to(self.device), states)
+        except Exception as err:  # noqa: BLE001 - the batch failed: fail its requests, keep serving
+            log.exception("decode step failed")
+            for slot in active:
+                self._finish(slot, slot.request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
+            return
+        for slot in active:
+            try:
+                self._accept(slot, slot.sampler(logits[slot.index]))
+            except Exception as err:  # noqa: BLE001
+                log.exception("sampling failed for %s", slot.request.id)
+                self._finish(slot, slot.request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
+
+    # ---- postprocess ------------------------------------------------------------------------------
+    def _accept(self, slot: Slot, token: int) -> None:
+        request = slot.request
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+        request.output_ids.append(token)
+        delta, stopped = "", token in request.stop_token_ids
+        if slot.detokenizer is not None and not stopped:
+            delta = slot.detokenizer.push(token)
+            if slot.stops is not None:
+                delta, stopped = slot.stops.push(delta)
+        request.text += delta
+        if request.on_token is not None:
+            request.on_token(request, token, delta)
+        if stopped:
+            self._finish(slot, request, FinishReason.STOP)
+        elif len(request.output_ids) >= request.max_tokens:
+            self._finish(slot, request, FinishReason.LENGTH)
+        else:
+            slot.next_token = token
+
+    def _finish(self, slot: Slot | None, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        if slot is not None and reason is FinishReason.LENGTH:
+            tail = ""
+            if slot.detokenizer is not None:
+                tail = slot.detokenizer.flush()
+                if slot.stops is not None:
+                    tail, _ = slot.stops.push(tail)
+                    tail += slot.stops.flush()
+            request.text += tail
+        request.finish_reason, request.error = reason, error
+        request.finished_at = time.perf_counter()
+        if slot is not None:
+            slot.release()
+        if request.on_finish is not None:
+            request.on_finish(request)
+

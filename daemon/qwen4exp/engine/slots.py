@@ -1,0 +1,53 @@
+"""The engine's N slots: one full-context SequenceState each, allocated once and reused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .model.causal_lm import Qwen4ExpForCausalLM
+from .request import Request
+from .sampling import Sampler
+from .state import SequenceState
+
+
+@dataclass
+class Slot:
+    index: int
+    state: SequenceState
+    request: Request | None = None
+    sampler: Sampler | None = None
+    prefilled: int = 0                 # prompt tokens already run
+    next_token: int | None = None      # chosen, not yet fed back (decode phase)
+    detokenizer: object | None = None
+    stops: object | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.request is not None
+
+    @property
+    def decoding(self) -> bool:
+        return self.request is not None and self.next_token is not None
+
+    def release(self) -> None:
+        self.request = self.sampler = self.detokenizer = self.stops = None
+        self.prefilled = 0
+        self.next_token = None
+
+
+@dataclass
+class SlotPool:
+    slots: list[Slot] = field(default_factory=list)
+
+    @classmethod
+    def allocate(cls, model: Qwen4ExpForCausalLM, count: int, context: int,
+                 device: torch.device | None = None) -> "SlotPool":
+        return cls([Slot(i, model.new_state(context, device)) for i in range(count)])
+
+    def free(self) -> list[Slot]:
+        return [s for s in self.slots if not s.busy]
+
+    def busy(self) -> list[Slot]:
+        return [s for s in self.slots if s.busy]

@@ -1,0 +1,72 @@
+"""The `qwen4exp generate` command as a user runs it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qwen4exp.cli import main
+from qwen4exp.engine.engine import Engine
+from qwen4exp.engine.loading import load_model
+from qwen4exp.engine.request import Request
+from qwen4exp.tokenizer import Tokenizer
+
+
+def _run(capsys, *argv) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_generate_json_prints_ids_text_and_timings(tiny_checkpoint, capsys):
+    out = json.loads(_run(capsys, "generate", "--model", str(tiny_checkpoint), "--prompt", "Hello there",
+                          "--max-tokens", "8", "--greedy", "--ignore-eos", "--json", "--chunk", "3"))
+    assert len(out["token_ids"]) == 8 and out["finish_reason"] == "length"
+    tokenizer = Tokenizer.from_dir(tiny_checkpoint)
+    assert out["text"] == tokenizer.decode(out["token_ids"])
+    assert out["prompt_tokens"] == len(tokenizer.encode("Hello there"))
+    assert out["timings"]["prefill_ms"] > 0 and out["timings"]["decode_tokens_per_s"] > 0
+
+
+def test_prompts_file_runs_together_and_prints_in_order(tiny_checkpoint, tmp_path, capsys):
+    lines = [{"prompt": "The mill by the river", "max_tokens": 6},
+             {"prompt_ids": list(range(5, 205)), "max_tokens": 9, "temperature": 0.8, "seed": 3},
+             {"prompt": "Hi", "chat": True, "max_tokens": 4, "stop_token_ids": []}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    out = json.loads(_run(capsys, "generate", "--model", str(tiny_checkpoint), "--prompts-file", str(path),
+                          "--json", "--slots", "2", "--chunk", "64", "--ignore-eos"))
+    answers = out["answers"]
+    assert [a["index"] for a in answers] == [0, 1, 2]
+    assert [len(a["token_ids"]) for a in answers] == [6, 9, 4]
+    assert answers[1]["prompt_tokens"] == 200
+    # Each answer is what the engine gives that request alone (same slots and chunk).
+    model = load_model(str(tiny_checkpoint), dtype="float32", device="cpu", progress=False)
+    from qwen4exp.engine.sampling import SamplingParams
+    engine = Engine(model, slots=2, context=out["context"], chunk=64)
+    alone = engine.submit(Request(prompt_ids=list(range(5, 205)), max_tokens=9,
+                                  sampling=SamplingParams(temperature=0.8, seed=3)))
+    engine.run_until_idle()
+    assert answers[1]["token_ids"] == alone.output_ids
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "prompts.jsonl:2: not valid JSON"),
+    ('{"prompt": "a", "prompt_ids": [1]}', "prompts.jsonl:2: give exactly one of"),
+    ('{"prompt": "a", "temprature": 0.5}', "temprature"),
+    ('{"prompt_ids": [1, "x"]}', 'prompts.jsonl:2: "prompt_ids" must be a list of integers'),
+])
+def test_prompts_file_errors_name_the_line(tiny_checkpoint, tmp_path, line, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(SystemExit) as err:
+        main(["generate", "--model", str(tiny_checkpoint), "--prompts-file", str(path)])
+    assert message in str(err.value)
+
+
+def test_a_too_long_request_is_refused_with_the_numbers(tiny_checkpoint, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt_ids": [1] * 100, "max_tokens": 50}) + "\n")
+    with pytest.raises(SystemExit) as err:
+        main(["generate", "--model", str(tiny_checkpoint), "--prompts-file", str(path), "--context", "128"])
+    assert "request 1: prompt of 100 tokens + max_tokens 50 = 150 exceeds the context of 128 tokens" in str(err.value)

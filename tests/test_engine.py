@@ -1,0 +1,195 @@
+"""The serving engine on CPU with the tiny model: exactness under load, cancellation, refusals, errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from qwen4exp.engine.engine import Engine
+from qwen4exp.engine.loading import load_model
+from qwen4exp.engine.request import FinishReason, QueueFull, Request, RequestRejected
+from qwen4exp.engine.sampling import SamplingParams
+from qwen4exp.tokenizer import Tokenizer
+
+SLOTS, CONTEXT, CHUNK = 4, 512, 32
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return load_model(str(tiny_checkpoint), dtype="float32", device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    return Tokenizer.from_dir(tiny_checkpoint)
+
+
+def _engine(model, **kw) -> Engine:
+    return Engine(model, slots=kw.pop("slots", SLOTS), context=CONTEXT, chunk=CHUNK, **kw)
+
+
+def _spec(rng: random.Random):
+    length = rng.choice([rng.randint(1, 40), rng.randint(60, 300)])   # both sides of the QSA dense limit
+    sampled = rng.random() < 0.5
+    return {
+        "prompt_ids": [rng.randrange(1000) for _ in range(length)],
+        "max_tokens": rng.randint(1, 20),
+        "sampling": SamplingParams(temperature=0.9, top_p=0.9, seed=rng.randrange(10**6)) if sampled
+        else SamplingParams(),
+    }
+
+
+def _alone(model, spec) -> list[int]:
+    engine = _engine(model)
+    request = engine.submit(Request(**spec))
+    engine.run_until_idle()
+    assert request.finish_reason is FinishReason.LENGTH
+    return request.output_ids
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_alone_equals_together_bitwise(model, seed):
+    """Requests that start at other times, with other prompt lengths, greedy and seeded sampling, queueing
+    behind full slots: each one's tokens are exactly those it gets alone."""
+    rng = random.Random(seed)
+    specs = [_spec(rng) for _ in range(7)]
+    starts = sorted(rng.randint(0, 25) for _ in specs)
+    engine = _engine(model)
+    requests, step = [], 0
+    while len(requests) < len(specs) or not engine.idle:
+        while len(requests) < len(specs) and starts[len(requests)] <= step:
+            requests.append(engine.submit(Request(**specs[len(requests)])))
+        engine.step()
+        step += 1
+    for spec, request in zip(specs, requests):
+        assert request.output_ids == _alone(model, spec), f"request with a {len(spec['prompt_ids'])}-token prompt"
+
+
+def test_a_request_does_not_depend_on_its_slot(model):
+    spec = _spec(random.Random(5))
+    engine = _engine(model)
+    fillers = [engine.submit(Request(prompt_ids=[7] * 5, max_tokens=1)) for _ in range(SLOTS - 1)]
+    target = engine.submit(Request(**spec))
+    engine.run_until_idle()
+    assert all(f.finished for f in fillers)
+    assert target.output_ids == _alone(model, spec)
+
+
+def test_cancel_queued_request(model):
+    engine = _engine(model, slots=1)
+    running = engine.submit(Request(prompt_ids=[1] * 10, max_tokens=5))
+    queued = engine.submit(Request(prompt_ids=[2] * 10, max_tokens=5))
+    engine.cancel(queued.id)
+    engine.step()
+    assert queued.finish_reason is FinishReason.CANCELLED and queued.output_ids == []
+    engine.run_until_idle()
+    assert running.finish_reason is FinishReason.LENGTH
+
+
+def test_cancel_during_prefill_frees_the_slot_within_one_step(model):
+    engine = _engine(model, slots=1)
+    long = engine.submit(Request(prompt_ids=[3] * 200, max_tokens=5))   # seven chunks of 32
+    engine.step()
+    assert engine.pool.slots[0].prefilled == CHUNK
+    waiting = engine.submit(Request(prompt_ids=[4] * 8, max_tokens=5))
+    engine.cancel(long.id)
+    engine.step()
+    assert long.finish_reason is FinishReason.CANCELLED and long.output_ids == []
+    assert engine.pool.slots[0].request is waiting      # the freed slot went to the next request
+    assert waiting.output_ids                            # ... and served it in that same step
+    engine.run_until_idle()
+    assert waiting.finish_reason is FinishReason.LENGTH and len(waiting.output_ids) == 5
+
+
+def test_cancel_during_decode(model):
+    engine = _engine(model, slots=1)
+    request = engine.submit(Request(prompt_ids=[5] * 10, max_tokens=100))
+    for _ in range(4):
+        engine.step()
+    produced = len(request.output_ids)
+    assert produced >= 2
+    engine.cancel(request.id)
+    engine.step()
+    assert request.finish_reason is FinishReason.CANCELLED
+    assert len(request.output_ids) == produced and not engine.pool.slots[0].busy
+
+
+def test_too_long_request_is_refused_before_taking_a_slot(model):
+    engine = _engine(model)
+    with pytest.raises(RequestRejected, match=r"prompt of 500 tokens \+ max_tokens 13 = 513 exceeds the context of 512"):
+        engine.submit(Request(prompt_ids=[1] * 500, max_tokens=13))
+    with pytest.raises(RequestRejected, match="token ids must be integers"):
+        engine.submit(Request(prompt_ids=[1, 5000], max_tokens=1))
+    assert engine.idle
+
+
+def test_queue_bound(model):
+    engine = _engine(model, queue_limit=2)
+    for _ in range(2):
+        engine.submit(Request(prompt_ids=[1], max_tokens=1))
+    with pytest.raises(QueueFull, match="2 requests waiting"):
+        engine.submit(Request(prompt_ids=[1], max_tokens=1))
+
+
+def test_an_engine_error_fails_that_request_only(model, monkeypatch):
+    spec = _spec(random.Random(9))
+    engine = _engine(model)
+    doomed = engine.submit(Request(prompt_ids=[9] * 20, max_tokens=8))
+    healthy = engine.submit(Request(**spec))
+    engine.step()
+    slot = next(s for s in engine.pool.slots if s.request is doomed)
+
+    def broken(logits):
+        raise RuntimeError("sampler exploded")
+    monkeypatch.setattr(slot, "sampler", broken)
+    engine.run_until_idle()
+    assert doomed.finish_reason is FinishReason.ERROR and "sampler exploded" in doomed.error
+    assert healthy.output_ids == _alone(model, spec)
+
+
+def test_stop_token_and_streaming(model):
+    engine = _engine(model)
+    free_run = engine.submit(Request(prompt_ids=[11] * 30, max_tokens=12))
+    engine.run_until_idle()
+    stop_at = free_run.output_ids[5]
+    streamed = []
+    request = engine.submit(Request(prompt_ids=[11] * 30, max_tokens=12, stop_token_ids=(stop_at,),
+                                    on_token=lambda r, t, d: streamed.append(t)))
+    engine.run_until_idle()
+    cut = free_run.output_ids.index(stop_at) + 1
+    assert request.output_ids == free_run.output_ids[:cut] == streamed
+    assert request.finish_reason is FinishReason.STOP
+
+
+def test_stop_string_ends_the_text_before_it(model, tokenizer):
+    engine = _engine(model, tokenizer=tokenizer)
+    prompt = tokenizer.encode("The river ran past the old mill and")
+    free_run = engine.submit(Request(prompt_ids=prompt, max_tokens=40))
+    engine.run_until_idle()
+    text = free_run.text
+    assert len(text) > 12
+    stop = text[8:12]
+    request = engine.submit(Request(prompt_ids=prompt, max_tokens=40, stop=(stop,)))
+    engine.run_until_idle()
+    assert request.finish_reason is FinishReason.STOP
+    assert request.text == text[:text.index(stop)]
+
+
+def test_background_thread_serves_and_cancels(model):
+    engine = _engine(model)
+    engine.start()
+    try:
+        import threading
+        done = threading.Event()
+        request = engine.submit(Request(prompt_ids=[13] * 40, max_tokens=6, on_finish=lambda r: done.set()))
+        assert done.wait(30)
+        assert request.finish_reason is FinishReason.LENGTH and len(request.output_ids) == 6
+        cancelled = threading.Event()
+        slow = engine.submit(Request(prompt_ids=[14] * 10, max_tokens=400, on_finish=lambda r: cancelled.set()))
+        engine.cancel(slow.id)
+        assert cancelled.wait(30) and slow.finish_reason is FinishReason.CANCELLED
+    finally:
+        engine.stop()
+    assert torch.is_tensor(engine.pool.slots[0].state.layers[0].recurrent)

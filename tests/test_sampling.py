@@ -1,0 +1,186 @@
+"""Token choice: penalties, greedy, seeded sampling, filters, and building params from JSON."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qwen4exp.engine.sampling import Sampler, SamplingParams as P
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def force(sampler: Sampler, *tokens: int, vocab: int = 5) -> None:
+    """Make a greedy sampler generate `tokens`, so the penalties have a history to act on."""
+    for token in tokens:
+        assert sampler(torch.zeros(vocab).index_fill_(0, torch.tensor([token]), 100.0)) == token
+
+
+def draws(params: P, logits: torch.Tensor, n: int, prompt=()) -> list[int]:
+    sampler = Sampler(params, prompt)
+    return [sampler(logits) for _ in range(n)]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    s = Sampler(P(repetition_penalty=2.0), prompt_ids=[0, 1, 1])
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5, -1.0])
+    assert s.penalize(logits).tolist() == [1.0, -4.0, 1.0, 0.5, -1.0]
+    force(s, 3)  # generated tokens count as well
+    assert s.penalize(logits).tolist() == [1.0, -4.0, 1.0, 0.25, -1.0]
+    assert logits.tolist() == [2.0, -2.0, 1.0, 0.5, -1.0]  # the caller's tensor is untouched
+
+
+def test_frequency_penalty_subtracts_count_times_penalty_for_generated_tokens_only():
+    s = Sampler(P(frequency_penalty=0.5), prompt_ids=[3])
+    force(s, 0, 0, 1)
+    assert s.penalize(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])).tolist() == [0.0, 1.5, 3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("penalty, expected", [(0.25, [0.75, 1.75, 3.0, 4.0, 5.0]),
+                                               (-1.0, [2.0, 3.0, 3.0, 4.0, 5.0])])
+def test_presence_penalty_subtracts_once_per_generated_token(penalty, expected):
+    s = Sampler(P(presence_penalty=penalty), prompt_ids=[3])
+    force(s, 0, 0, 1)
+    assert s.penalize(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])).tolist() == expected
+
+
+def test_greedy_with_repetition_penalty_stops_repeating_the_top_token():
+    logits = torch.tensor([3.0, 2.0, -1.0])
+    assert [Sampler(P())(logits) for _ in range(2)] == [0, 0]
+    s = Sampler(P(repetition_penalty=2.0))
+    assert [s(logits), s(logits)] == [0, 1]  # 3 / 2 = 1.5 < 2
+    assert s.history == [0, 1]
+
+
+def test_prompt_ids_outside_the_vocabulary_are_a_clear_error():
+    with pytest.raises(ValueError, match=r"\[0, 5\)"):
+        Sampler(P(repetition_penalty=1.2), prompt_ids=[7])(torch.zeros(5))
+
+
+def test_greedy_ignores_the_seed_and_breaks_ties_to_the_lowest_id():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    expected = int(torch.argmax(logits))
+    for seed in (None, 1, 2):
+        assert draws(P(seed=seed), logits, 5) == [expected] * 5
+    assert Sampler(P())(torch.tensor([0.0, 4.0, 1.0, 4.0])) == 1
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    params = dict(temperature=1.0, top_p=0.95, min_p=0.01, presence_penalty=0.5)
+    a = draws(P(seed=7, **params), logits, 50)
+    assert a == draws(P(seed=7, **params), logits, 50)
+    assert a != draws(P(seed=8, **params), logits, 50)
+    assert len(set(a)) > 5  # it really samples
+
+
+def test_a_seeded_slot_does_not_depend_on_other_slots_or_the_global_rng():
+    logits = torch.randn(500, generator=torch.Generator().manual_seed(1))
+    alone = draws(P(temperature=0.9, seed=3), logits, 50)
+    mine, other = Sampler(P(temperature=0.9, seed=3)), Sampler(P(temperature=1.5, seed=4))
+    together = []
+    for _ in range(50):
+        torch.manual_seed(int(torch.randint(0, 1000, ())))
+        other(logits)
+        together.append(mine(logits))
+    assert together == alone
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", [P(temperature=1.0, seed=5),
+                                    P(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.3, seed=5),
+                                    P(repetition_penalty=1.5, frequency_penalty=0.3)])
+def test_tokens_do_not_depend_on_the_device_or_dtype_of_the_logits(device, params):
+    # bfloat16 values are exactly representable in float32, so both inputs carry the same numbers.
+    steps = [torch.randn(2000, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(30)]
+    reference = Sampler(params, prompt_ids=[1, 2, 3])
+    expected = [reference(x.float()) for x in steps]
+    for dtype in (torch.float32, torch.bfloat16):
+        s = Sampler(params, prompt_ids=[1, 2, 3])
+        assert [s(x.to(device, dtype)) for x in steps] == expected
+
+
+def test_top_k_1_equals_greedy_even_with_ties():
+    for seed in range(5):
+        logits = torch.randn(3000, generator=torch.Generator().manual_seed(seed)).round()
+        assert draws(P(temperature=1.0, top_k=1, seed=seed), logits, 10) == draws(P(), logits, 10)
+
+
+def test_top_k_only_ever_draws_the_k_most_likely_tokens():
+    logits = torch.arange(100.0) / 10  # token 99 most likely
+    assert set(draws(P(temperature=5.0, top_k=3, seed=0), logits, 300)) == {97, 98, 99}
+
+
+LOG_P = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.49, {0}), (0.79, {0, 1}), (0.81, {0, 1, 2}), (1.0, {0, 1, 2, 3})])
+def test_top_p_keeps_the_smallest_prefix_whose_mass_reaches_p(top_p, kept):
+    params = P(temperature=1.0, top_p=top_p, seed=0)
+    assert set(Sampler(params).candidates(LOG_P)[0].tolist()) == kept
+    assert set(draws(params, LOG_P, 1000)) == kept
+
+
+def test_top_p_over_a_full_vocabulary_matches_sorting_everything():
+    logits = torch.randn(248320, generator=torch.Generator().manual_seed(0))
+    probs, order = torch.softmax(logits / 0.8, 0).sort(descending=True, stable=True)
+    n = int((probs.double().cumsum(0) < 0.9).sum()) + 1
+    ids, _ = Sampler(P(temperature=0.8, top_p=0.9)).candidates(logits)
+    assert sorted(ids.tolist()) == sorted(order[:n].tolist())
+
+
+@pytest.mark.parametrize("min_p, kept", [(0.2, {0, 1, 2}), (0.5, {0, 1}), (0.99, {0})])
+def test_min_p_drops_tokens_below_min_p_times_the_top_probability(min_p, kept):
+    params = P(temperature=1.0, min_p=min_p, seed=0)
+    assert set(Sampler(params).candidates(LOG_P)[0].tolist()) == kept
+    assert set(draws(params, LOG_P, 1000)) == kept
+
+
+@pytest.mark.parametrize("temperature, expected", [(1.0, [0.6, 0.3, 0.1]),
+                                                   (0.5, [0.36 / 0.46, 0.09 / 0.46, 0.01 / 0.46])])
+def test_draw_frequencies_follow_the_tempered_distribution(temperature, expected):
+    n = 4000
+    tokens = draws(P(temperature=temperature, seed=123), torch.tensor([0.6, 0.3, 0.1]).log(), n)
+    for token, p in enumerate(expected):
+        assert abs(tokens.count(token) / n - p) < 0.04, (token, tokens.count(token) / n, p)
+
+
+def test_a_tiny_temperature_still_picks_the_top_token():
+    assert draws(P(temperature=1e-30, seed=0), torch.tensor([1.0, 1.5, -float("inf")]), 5) == [1] * 5
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("temperature", -0.1, ">= 0"), ("temperature", math.nan, ">= 0"), ("top_k", -1, ">= 0"),
+    ("top_p", 0.0, "(0, 1]"), ("top_p", 1.5, "(0, 1]"), ("min_p", 1.0, "[0, 1)"),
+    ("repetition_penalty", 0.0, "> 0"), ("presence_penalty", 2.5, "[-2, 2]"),
+    ("frequency_penalty", -3, "[-2, 2]"), ("top_k", 2.5, "integer"), ("seed", "7", "integer"),
+])
+def test_out_of_range_params_name_the_field_value_and_range(field, value, allowed):
+    with pytest.raises(ValueError) as err:
+        P(**{field: value})
+    assert field in str(err.value) and repr(value) in str(err.value) and allowed in str(err.value)
+
+
+def test_from_dict_builds_params_and_treats_null_as_the_default():
+    line = {"temperature": 1, "top_k": 40, "top_p": None, "min_p": 0.05, "repetition_penalty": 1.1,
+            "presence_penalty": -0.5, "frequency_penalty": 0.5, "seed": 42}
+    p = P.from_dict(line)
+    assert p == P(temperature=1.0, top_k=40, min_p=0.05, repetition_penalty=1.1, presence_penalty=-0.5,
+                  frequency_penalty=0.5, seed=42)
+    assert isinstance(p.temperature, float)
+
+
+@pytest.mark.parametrize("d, message", [
+    ({"temprature": 0.5}, "'temprature' (did you mean 'temperature'?)"),
+    ({"top_k": "40"}, "top_k must be an integer >= 0 (0 = off), got str '40'"),
+    ({"top_k": True}, "top_k must be"),
+    ({"top_p": [0.9]}, "top_p must be a number in (0, 1], got list"),
+    ({"min_p": 1.0}, "min_p must be a number in [0, 1), got 1.0"),
+    (["temperature"], "must be an object, got list"),
+])
+def test_from_dict_errors_name_the_key_and_where_it_came_from(d, message):
+    with pytest.raises(ValueError) as err:
+        P.from_dict(d, where="prompts.jsonl line 3")
+    assert str(err.value).startswith("prompts.jsonl line 3: ") and message in str(err.value)
