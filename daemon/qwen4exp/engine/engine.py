@@ -16,6 +16,7 @@ import time
 import torch
 
 from .model.causal_lm import Qwen4ExpForCausalLM, Segment
+from .prefix_cache import PrefixCache
 from .request import FinishReason, QueueFull, Request, RequestRejected
 from .sampling import Sampler
 from .slots import Slot, SlotPool
@@ -26,14 +27,25 @@ log = logging.getLogger("qwen4exp.engine")
 
 class Engine:
     def __init__(self, model: Qwen4ExpForCausalLM, slots: int = 4, context: int = 4096, chunk: int = 512,
-                 restore_spacing: int | None = None, queue_limit: int = 64, tokenizer=None):
+                 restore_spacing: int | None = None, queue_limit: int = 64, tokenizer=None,
+                 prefix_cache: PrefixCache | None = None):
         cfg = model.config
-        spacing = restore_spacing or chunk
+        spacing = restore_spacing or (prefix_cache.spacing if prefix_cache is not None else chunk)
         if not 1 <= slots <= 8:
             raise ValueError(f"slots must be between 1 and 8, got {slots}")
         if spacing % cfg.indexer_compress_ratio or chunk % spacing:
             raise ValueError(f"chunk ({chunk}) must be a multiple of the restore spacing ({spacing}), itself a "
                              f"multiple of the QSA compress ratio ({cfg.indexer_compress_ratio})")
+        if prefix_cache is not None:
+            if prefix_cache.spacing != spacing:
+                raise ValueError(f"the prefix cache's restore spacing ({prefix_cache.spacing}) differs from the "
+                                 f"engine's ({spacing})")
+            # Snapshots sit at chunk ends; a warm run replays the cold grid only with the same chunk size.
+            if prefix_cache.chunk not in (None, chunk):
+                raise ValueError(f"the prefix cache holds snapshots cut at chunk {prefix_cache.chunk}; "
+                                 f"this engine cuts at {chunk}")
+            prefix_cache.chunk = chunk
+        self.prefix_cache = prefix_cache
         self.model, self.context, self.chunk, self.restore_spacing = model, context, chunk, spacing
         self.tokenizer = tokenizer
         self.device = model.lm_head.weight.device
@@ -140,6 +152,9 @@ class Engine:
     def _start(self, slot: Slot, request: Request) -> None:
         slot.state.reset()
         slot.request = request
+        request.slot = slot.index
+        if self.prefix_cache is not None:
+            slot.prefilled = request.cached_tokens = self.prefix_cache.restore_longest(request.prompt_ids, slot.state)
         slot.sampler = Sampler(request.sampling, request.prompt_ids)
         if self.tokenizer is not None:
             slot.detokenizer = self.tokenizer.detokenizer()
@@ -162,11 +177,26 @@ class Engine:
             ids = torch.tensor(request.prompt_ids[begin:end], dtype=torch.long, device=self.device)
             logits = self.model([Segment(ids, slot.state)])[0]
             slot.prefilled = end
+            if self.prefix_cache is not None and end % self.restore_spacing == 0:
+                self._capture(slot, request.prompt_ids[:end])
             if end == len(request.prompt_ids):
                 self._accept(slot, slot.sampler(logits))
         except Exception as err:  # noqa: BLE001 - an engine error fails this request only
             log.exception("prefill failed for %s", request.id)
             self._finish(slot, request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
+
+    def _capture(self, slot: Slot, prefix: list[int]) -> None:
+        """Snapshot a restore point. Of this request's earlier captures, keep those at 1, 2, 4, 8... chunks
+        (shareable prefixes at every scale) and drop the others, so a long prompt costs O(log n) snapshots."""
+        handle = self.prefix_cache.capture(prefix, slot.state)
+        if handle is None:
+            return
+        if slot.last_capture is not None:
+            previous, length = slot.last_capture
+            chunks = length // self.chunk
+            if chunks & (chunks - 1):
+                self.prefix_cache.forget(previous)
+        slot.last_capture = (handle, len(prefix))
 
     def _decode(self) -> None:
         active = [s for s in self.pool.slots if s.decoding]

@@ -42,6 +42,8 @@ class Request:
 
     # Filled in by the engine.
     output_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0                           # prompt tokens restored from the prefix cache
+    slot: int | None = None                          # the slot that served it
     text: str = ""
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -61,6 +63,7 @@ class Request:
         if self.first_token_at is not None and self.finished_at is not None and len(self.output_ids) > 1:
             decode_s = self.finished_at - self.first_token_at
         return {
+            "cached_tokens": self.cached_tokens,
             "queued_ms": ms(self.submitted_at, self.started_at),
             "prefill_ms": ms(self.started_at, self.first_token_at),
             "decode_ms": None if decode_s is None else round(decode_s * 1000, 3),

@@ -1,0 +1,127 @@
+"""The prefix cache: snapshots at restore points, indexed by their token prefix in the Rust PrefixStore.
+
+The store decides (longest match, LRU eviction under the resident limit, pins while restoring); this side
+owns the snapshot buffers and frees the ones the store evicts. It outlives an engine, so a park that drops
+the engine and its GPU memory keeps the cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from array import array
+
+import torch
+from dataclasses import dataclass
+
+from .._core import PrefixStore, PrefixStoreFull
+from .snapshot import Snapshot, SnapshotBackend
+from .state import SequenceState
+
+log = logging.getLogger("qwen4exp.prefix_cache")
+
+
+def _wait_for_copies(state: SequenceState) -> None:
+    """Finish the restore's copies before the snapshot is unpinned (and may be evicted), and so that the
+    restore time is measured, not just queued."""
+    device = next(iter(vars(state.layers[0]).values())).device
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+@dataclass
+class CacheCounters:
+    captures: int = 0          # snapshots taken
+    saved: int = 0             # ... and kept by the store
+    refused: int = 0           # ... that could not fit even after eviction
+    evictions: int = 0         # entries the resident limit pushed out
+    restores: int = 0
+    restored_tokens: int = 0
+    restore_seconds: float = 0.0
+
+
+class PrefixCache:
+    def __init__(self, spacing: int, resident_limit: int, backend: SnapshotBackend, ratio: int):
+        if spacing % ratio:
+            raise ValueError(f"the restore spacing ({spacing}) must be a multiple of the QSA compress ratio ({ratio})")
+        host_limit = resident_limit if backend.tier == "host" else 0
+        device_limit = resident_limit if backend.tier == "device" else 0
+        self.store = PrefixStore(spacing, host_limit, device_limit)
+        self.spacing, self.ratio, self.backend = spacing, ratio, backend
+        self.chunk: int | None = None          # the chunk grid its snapshots were cut on (set by the engine)
+        self.resident_limit = resident_limit
+        self.counters = CacheCounters()
+        self._snapshots: dict[int, Snapshot] = {}
+        self._keys: dict[int, int] = {}                # handle -> hash of its prefix tokens
+        self._handles = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def restore_longest(self, prompt_ids: list[int], state: SequenceState) -> int:
+        """Restore the longest cached prefix that leaves at least one prompt token to run (its logits give
+        the first output token). Returns the restored length (0 on a miss)."""
+        started = time.perf_counter()
+        with self._lock:
+            entry = self.store.match(array("I", prompt_ids[:len(prompt_ids) - 1]), pin=True)
+            if entry is None:
+                return 0
+            snapshot = self._snapshots[entry.handle]
+        try:
+            snapshot.restore(state, self.ratio)
+            _wait_for_copies(state)
+        finally:
+            with self._lock:
+                self.store.unpin(entry.handle)
+        c = self.counters
+        c.restores += 1
+        c.restored_tokens += snapshot.length
+        c.restore_seconds += time.perf_counter() - started
+        return snapshot.length
+
+    def capture(self, prefix_ids: list[int], state: SequenceState) -> int | None:
+        """Snapshot `state` (at a restore point, holding exactly `prefix_ids`). Returns its handle, or None
+        when the store refused it or already holds that prefix."""
+        if state.length != len(prefix_ids) or state.length % self.spacing or state.length == 0:
+            return None
+        tokens = array("I", prefix_ids)
+        key = hash(tokens.tobytes())
+        with self._lock:
+            if key in self._keys.values():      # already stored (or a hash twin: skipping is harmless)
+                return None
+        snapshot = Snapshot.capture(state, self.ratio, self.backend)
+        handle = next(self._handles)
+        self.counters.captures += 1
+        with self._lock:
+            try:
+                result = self.store.insert(tokens, handle, snapshot.nbytes, tier=self.backend.tier)
+            except PrefixStoreFull as err:
+                self.counters.refused += 1
+                log.info("prefix snapshot of %d tokens not kept: %s", snapshot.length, err)
+                return None
+            self._snapshots[handle] = snapshot
+            self._keys[handle] = key
+            for evicted in result.evicted:
+                self._drop(evicted)
+            self.counters.evictions += len(result.evicted)
+        self.counters.saved += 1
+        return handle
+
+    def forget(self, handle: int) -> None:
+        """Drop a snapshot unless it is being restored."""
+        with self._lock:
+            entry = self.store.get(handle)
+            if entry is None or entry.pins:
+                return
+            self.store.remove(handle)
+            self._drop(handle)
+
+    def _drop(self, handle: int) -> None:
+        self._snapshots.pop(handle, None)
+        self._keys.pop(handle, None)
+
+    def stats(self) -> dict:
+        with self._lock:
+            store = self.store.stats().to_dict()
+        return {"tier": self.backend.tier, "resident_limit": self.resident_limit, "store": store,
+                **vars(self.counters)}

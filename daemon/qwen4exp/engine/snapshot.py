@@ -1,0 +1,92 @@
+"""Prefix snapshots: a sequence's state at a restore point, copied out of its slot and back into any slot.
+
+Prefix-sized, not context-sized: for a P-token prefix, the K/V, raw indexer-key and block-key strips of the
+first P positions, plus the whole recurrent, conv, PLE-conv and n-gram state. One flat buffer per snapshot
+(pinned host memory beside a discrete GPU, device memory on a unified-memory GPU, plain memory on CPU),
+carved into views, so a capture or a restore is one copy per tensor and one allocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .state import AttentionState, DeltaNetState, SequenceState
+
+_ALIGN = 64
+
+
+def _pieces(state: SequenceState, length: int, ratio: int) -> list[torch.Tensor]:
+    """The state tensors (or their prefix strips) a snapshot of `length` positions holds, in a fixed order."""
+    pieces = []
+    for layer in state.layers:
+        if isinstance(layer, AttentionState):
+            pieces += [layer.keys[:, :length], layer.values[:, :length], layer.index_keys[:length],
+                       layer.block_keys[:length // ratio]]
+        elif isinstance(layer, DeltaNetState):
+            pieces += [layer.conv, layer.recurrent]
+    for index in sorted(state.ple):
+        pieces += [state.ple[index].conv, state.ple[index].context_ids]
+    return pieces
+
+
+@dataclass
+class SnapshotBackend:
+    """Where snapshots live: `tier` is "host" (pinned or plain system memory) or "device"."""
+    device: torch.device          # where the buffers are allocated
+    pinned: bool
+    tier: str
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "SnapshotBackend":
+        if device.type == "cuda":
+            if torch.cuda.get_device_properties(device).is_integrated:
+                return cls(device, pinned=False, tier="device")   # unified memory: the device's is the system's
+            return cls(torch.device("cpu"), pinned=True, tier="host")
+        return cls(torch.device("cpu"), pinned=False, tier="host")
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pinned)
+
+
+class Snapshot:
+    def __init__(self, buffer: torch.Tensor, views: list[torch.Tensor], length: int, tier: str):
+        self.buffer, self.views, self.length, self.tier = buffer, views, length, tier
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    @classmethod
+    def capture(cls, state: SequenceState, ratio: int, backend: SnapshotBackend) -> "Snapshot":
+        """Copy the state at its current length. The copies are queued on the current stream, so later
+        work on the slot cannot overtake them."""
+        length = state.length
+        if length % ratio:
+            raise ValueError(f"a snapshot needs a length that is a multiple of {ratio}, got {length}")
+        pieces = _pieces(state, length, ratio)
+        offsets, total = [], 0
+        for piece in pieces:
+            offsets.append(total)
+            total += -(-piece.numel() * piece.element_size() // _ALIGN) * _ALIGN
+        buffer = backend.allocate(total)
+        views = []
+        for piece, offset in zip(pieces, offsets):
+            nbytes = piece.numel() * piece.element_size()
+            view = buffer[offset:offset + nbytes].view(piece.dtype).view(piece.shape)
+            view.copy_(piece, non_blocking=True)
+            views.append(view)
+        return cls(buffer, views, length, backend.tier)
+
+    def restore(self, state: SequenceState, ratio: int) -> None:
+        """Make `state` (any slot's) exactly the captured sequence at this snapshot's length."""
+        if self.length > state.capacity:
+            raise ValueError(f"a {self.length}-token snapshot does not fit a slot of {state.capacity} positions")
+        state.reset()
+        targets = _pieces(state, self.length, ratio)
+        if [t.shape for t in targets] != [v.shape for v in self.views]:
+            raise ValueError("this snapshot was taken from a differently shaped model state")
+        for target, view in zip(targets, self.views):
+            target.copy_(view, non_blocking=True)
+        state.length = self.length

@@ -1,0 +1,150 @@
+"""Prefix snapshots on CPU: a warm run gives the cold answer bit for bit, in any slot, under a resident limit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from qwen4exp.engine.engine import Engine
+from qwen4exp.engine.loading import load_model
+from qwen4exp.engine.prefix_cache import PrefixCache
+from qwen4exp.engine.request import Request
+from qwen4exp.engine.sampling import SamplingParams
+from qwen4exp.engine.snapshot import Snapshot, SnapshotBackend
+from qwen4exp.engine.model.causal_lm import Segment
+
+CHUNK = 16          # restore points every 16 tokens: on both sides of the tiny model's QSA dense limit (35)
+CONTEXT = 512
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    return load_model(str(tiny_checkpoint), dtype="float32", device="cpu", progress=False)
+
+
+def _cache(model, limit: int = 64 << 20) -> PrefixCache:
+    return PrefixCache(CHUNK, limit, SnapshotBackend.for_device(torch.device("cpu")),
+                       model.config.indexer_compress_ratio)
+
+
+def _engine(model, cache=None, slots=4) -> Engine:
+    return Engine(model, slots=slots, context=CONTEXT, chunk=CHUNK, prefix_cache=cache)
+
+
+def _run(engine: Engine, *requests: Request) -> list[Request]:
+    for r in requests:
+        engine.submit(r)
+    engine.run_until_idle()
+    return list(requests)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+SAMPLINGS = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=11)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "seeded"])
+def test_resent_prompt_is_warm_and_equals_cold(model, sampling):
+    prompt = _prompt(150, seed=1)
+    cold_reference, = _run(_engine(model), Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
+    cache = _cache(model)
+    engine = _engine(model, cache)
+    cold, = _run(engine, Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
+    warm, = _run(engine, Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
+    assert cold.cached_tokens == 0 and warm.cached_tokens == 144          # the last restore point below 150
+    assert warm.output_ids == cold.output_ids == cold_reference.output_ids
+    assert cache.counters.restores == 1 and cache.counters.refused == 0
+
+
+def test_extended_prompt_restores_the_shared_prefix_and_equals_cold(model):
+    """A multi-turn conversation: the next prompt extends the last one."""
+    first = _prompt(70, seed=2)
+    second = first + _prompt(90, seed=3)
+    cache = _cache(model)
+    engine = _engine(model, cache)
+    _run(engine, Request(prompt_ids=first, max_tokens=4))
+    warm, = _run(engine, Request(prompt_ids=second, max_tokens=10))
+    cold, = _run(_engine(model), Request(prompt_ids=second, max_tokens=10))
+    assert warm.cached_tokens == 64
+    assert warm.output_ids == cold.output_ids
+
+
+def test_restore_into_another_slot_beside_other_requests(model):
+    prompt = _prompt(120, seed=4)
+    cache = _cache(model)
+    engine = _engine(model, cache)
+    first, = _run(engine, Request(prompt_ids=prompt, max_tokens=8))
+    # Slot 0 is busy with a long request: the warm one lands in another slot, next to neighbours.
+    busy = engine.submit(Request(prompt_ids=_prompt(200, seed=5), max_tokens=30))
+    engine.step()
+    warm = Request(prompt_ids=prompt, max_tokens=8)
+    neighbour = Request(prompt_ids=_prompt(40, seed=6), max_tokens=8, sampling=SAMPLINGS[1])
+    _run(engine, warm, neighbour)
+    assert busy.finished and warm.cached_tokens == 112
+    assert first.slot == busy.slot == 0 and warm.slot != first.slot
+    assert warm.output_ids == first.output_ids
+
+
+def test_snapshot_restores_the_state_exactly(model):
+    state = model.new_state(256)
+    model([Segment(torch.tensor(_prompt(96, seed=7)), state)])
+    snap = Snapshot.capture(state, 4, SnapshotBackend.for_device(torch.device("cpu")))
+    other = model.new_state(256)
+    model([Segment(torch.tensor(_prompt(50, seed=8)), other)])   # dirty it first
+    snap.restore(other, 4)
+    assert other.length == 96
+    for a, b in zip(state.layers, other.layers):
+        for name, tensor in vars(a).items():
+            restored = getattr(b, name)
+            if name in ("keys", "values"):
+                tensor, restored = tensor[:, :96], restored[:, :96]
+            elif name == "index_keys":
+                tensor, restored = tensor[:96], restored[:96]
+            elif name == "block_keys":
+                tensor, restored = tensor[:24], restored[:24]
+            assert torch.equal(tensor, restored), name
+    # Snapshots are prefix-sized: much smaller than the slot's full-context state.
+    assert snap.nbytes < state.nbytes() / 2
+
+
+def test_resident_limit_evicts_oldest_and_counts(model):
+    one = Snapshot.capture(_filled(model, 32), 4, SnapshotBackend.for_device(torch.device("cpu"))).nbytes
+    cache = _cache(model, limit=3 * one)
+    engine = _engine(model, cache)
+    for seed in range(6):      # six 40-token prompts: captures at 16 and 32 each
+        _run(engine, Request(prompt_ids=_prompt(40, seed=100 + seed), max_tokens=2))
+    stats = cache.stats()
+    assert stats["store"]["bytes"] <= 3 * one
+    assert cache.counters.evictions > 0 and cache.counters.saved == cache.counters.captures
+    # The newest prompt is still warm.
+    warm, = _run(engine, Request(prompt_ids=_prompt(40, seed=105), max_tokens=2))
+    assert warm.cached_tokens == 32
+
+
+def test_long_prompt_keeps_log_many_snapshots(model):
+    cache = _cache(model)
+    _run(_engine(model, cache), Request(prompt_ids=_prompt(260, seed=9), max_tokens=1))
+    lengths = sorted(e for e in _stored_lengths(cache))
+    assert lengths == [16, 32, 64, 128, 256]        # 1, 2, 4, 8, 16 chunks, and the latest
+
+
+def test_engine_refuses_a_cache_cut_on_another_grid(model):
+    cache = _cache(model)
+    _engine(model, cache)
+    with pytest.raises(ValueError, match="cut at chunk 16; this engine cuts at 32"):
+        Engine(model, slots=2, context=CONTEXT, chunk=32, restore_spacing=16, prefix_cache=cache)
+
+
+def _filled(model, n):
+    state = model.new_state(64)
+    model([Segment(torch.tensor(_prompt(n, seed=n)), state)])
+    return state
+
+
+def _stored_lengths(cache):
+    return [snap.length for snap in cache._snapshots.values()]
