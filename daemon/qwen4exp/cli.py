@@ -139,6 +139,27 @@ def _generate_many(args: argparse.Namespace, model, tokenizer) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .server.app import ServerOptions
+    from .server.options import EngineOptions
+    from .server.serve import serve
+
+    model_dir = resolve_model(args.model)
+    max_ctx = args.max_ctx if args.max_ctx == "auto" else int(args.max_ctx)
+    engine = EngineOptions(model=str(model_dir), device=args.device, dtype=args.dtype, slots=args.slots,
+                           max_ctx=max_ctx, chunk=args.chunk, prefix_cache=args.prefix_cache_limit > 0,
+                           prefix_cache_limit=args.prefix_cache_limit, queue_limit=args.queue_limit)
+    options = ServerOptions(model_name=Path(model_dir).name, api_key=args.api_key or os.environ.get("QWEN4EXP_API_KEY"),
+                            admin_key=args.admin_key or os.environ.get("QWEN4EXP_ADMIN_KEY"))
+    print(f"qwen4exp: loading {model_dir} ...", file=sys.stderr)
+    asyncio.run(serve(engine, options, args.host, args.port,
+                      on_ready=lambda app: print(f"qwen4exp: serving on http://{args.host}:{args.port}",
+                                                 file=sys.stderr)))
+    return 0
+
+
 def cmd_init_checkpoint(args: argparse.Namespace) -> int:
     import torch
 
@@ -178,6 +199,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON document with ids, text and timings")
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the HTTP API (native, OpenAI-compatible, admin)")
+    srv.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (default)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8077)
+    srv.add_argument("--device", default="auto")
+    srv.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    srv.add_argument("--slots", type=int, default=4)
+    srv.add_argument("--max-ctx", default="4096", help="tokens per slot, or 'auto' to fit the device")
+    srv.add_argument("--chunk", type=int, default=256, help="prompt chunk (and restore spacing) in tokens")
+    srv.add_argument("--prefix-cache-limit", type=int, default=1 << 30, help="bytes of prefix snapshots (0: off)")
+    srv.add_argument("--queue-limit", type=int, default=64)
+    srv.add_argument("--api-key", default=None, help="bearer key for inference (or QWEN4EXP_API_KEY)")
+    srv.add_argument("--admin-key", default=None, help="bearer key for /park and /unpark (or QWEN4EXP_ADMIN_KEY)")
+    srv.set_defaults(func=cmd_serve)
 
     init = sub.add_parser("init-checkpoint", help="write a random-weight checkpoint in the published layout")
     init.add_argument("--preset", choices=PRESET_MODELS, required=True)

@@ -91,6 +91,20 @@ class Engine:
         if request.stop and self.tokenizer is None:
             raise RequestRejected("stop strings need a tokenizer; this engine has none")
 
+    @property
+    def queued(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def abort_all(self) -> None:
+        """Cancel every queued and running request now (call with the loop stopped)."""
+        with self._lock:
+            waiting, self._queue = list(self._queue), collections.deque()
+        for request in waiting:
+            self._finish(None, request, FinishReason.CANCELLED)
+        for slot in self.pool.busy():
+            self._finish(slot, slot.request, FinishReason.CANCELLED)
+
     # ---- the loop ---------------------------------------------------------------------------------
     @property
     def idle(self) -> bool:

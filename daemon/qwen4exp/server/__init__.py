@@ -1,0 +1,1 @@
+"""The daemon's HTTP side (aiohttp) and its supervised engine worker process."""

@@ -1,0 +1,38 @@
+"""GET /metrics: Prometheus text exposition."""
+
+from __future__ import annotations
+
+
+def _line(name: str, value, help_text: str, kind: str = "gauge", labels: str = "") -> str:
+    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n{name}{labels} {value}\n"
+
+
+def render_metrics(supervisor, stats: dict) -> str:
+    state = supervisor.state
+    out = [
+        _line("qwen4exp_up", int(state == "ready"), "1 when the engine serves requests"),
+        _line("qwen4exp_parked", int(state == "parked"), "1 while the engine is parked (GPU given back)"),
+        _line("qwen4exp_engine_restarts_total", supervisor.restarts, "engine worker restarts", "counter"),
+        _line("qwen4exp_requests_in_flight", supervisor.in_flight, "requests sent to the engine, not finished"),
+        _line("qwen4exp_context_tokens", supervisor.fitted_context or 0, "the context each slot serves"),
+    ]
+    if stats.get("slots") is not None:
+        out.append(_line("qwen4exp_slots", stats["slots"], "engine slots"))
+        out.append(_line("qwen4exp_busy_slots", stats["busy_slots"], "slots serving a request"))
+        out.append(_line("qwen4exp_queue_length", stats["queued"], "requests waiting for a slot"))
+    cache = stats.get("prefix_cache")
+    if cache:
+        store = cache["store"]
+        out += [
+            _line("qwen4exp_prefix_cache_bytes", store["bytes"], "bytes of prefix snapshots resident"),
+            _line("qwen4exp_prefix_cache_entries", store["entries"], "prefix snapshots resident"),
+            _line("qwen4exp_prefix_cache_hits_total", store["hits"], "prompt lookups that restored a prefix",
+                  "counter"),
+            _line("qwen4exp_prefix_cache_misses_total", store["misses"], "prompt lookups with no stored prefix",
+                  "counter"),
+            _line("qwen4exp_prefix_cache_evictions_total", cache["evictions"], "snapshots evicted by the limit",
+                  "counter"),
+            _line("qwen4exp_prefix_cache_restored_tokens_total", cache["restored_tokens"],
+                  "prompt tokens restored instead of prefilled", "counter"),
+        ]
+    return "".join(out)

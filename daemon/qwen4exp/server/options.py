@@ -1,0 +1,22 @@
+"""What the engine worker needs to start: resolved, plain values (no files, no environment)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model: str                       # checkpoint directory (already resolved)
+    device: str = "cpu"
+    dtype: str = "float32"
+    slots: int = 4
+    max_ctx: int | str = 4096        # a number, or "auto" (fitted once, then kept)
+    chunk: int = 256
+    prefix_cache: bool = True
+    prefix_cache_limit: int = 1 << 30
+    device_memory_limit: int | None = None
+    queue_limit: int = 64
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,185 @@
+"""The daemon's handle on the engine worker: start it, talk to it, and bring it back if it dies.
+
+Runs inside the aiohttp event loop. A reader thread turns the worker's messages into calls on the loop.
+If the worker dies, every request in flight fails with a clear error, /health says so, and a new worker
+starts at the same fitted context (no new fit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import threading
+from dataclasses import dataclass, field
+
+from .options import EngineOptions
+from .worker import worker_main
+
+log = logging.getLogger("qwen4exp.supervisor")
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is not serving (loading, parked, restarting or failed); the message says which."""
+
+
+@dataclass
+class Stream:
+    """One request's events as they arrive: ("token", id, text) ... then ("finish", result)."""
+    id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class Supervisor:
+    def __init__(self, options: EngineOptions, restart_delay: float = 1.0):
+        self.options = options
+        self.state = "loading"           # loading | ready | parked | error
+        self.error: str | None = None
+        self.info: dict = {}
+        self.fitted_context: int | None = None
+        self.restarts = 0
+        self._ctx = multiprocessing.get_context("spawn")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, Stream] = {}
+        self._replies: dict[str, asyncio.Future] = {}
+        self._ready: asyncio.Future | None = None
+        self._ids = itertools.count(1)
+        self._process = self._conn = None
+        self._stopping = False
+        self._restart_delay = restart_delay
+        self._send_lock = threading.Lock()
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self._spawn()
+
+    async def _spawn(self) -> None:
+        self.state = "loading"
+        self._ready = self._loop.create_future()
+        parent, child = self._ctx.Pipe()
+        payload = self.options.to_dict() | {"fitted_context": self.fitted_context}
+        self._process = self._ctx.Process(target=worker_main, args=(payload, child), name="qwen4exp-engine",
+                                          daemon=True)
+        self._process.start()
+        child.close()
+        self._conn = parent
+        threading.Thread(target=self._read, args=(parent, self._process), daemon=True).start()
+        await self._ready
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._process is not None and self._process.is_alive():
+            try:
+                self._send("stop")
+            except (OSError, EngineUnavailable):
+                pass
+            await asyncio.get_running_loop().run_in_executor(None, self._process.join, 10)
+            if self._process.is_alive():
+                self._process.kill()
+
+    def _send(self, *message) -> None:
+        if self._conn is None:
+            raise EngineUnavailable("the engine worker is not running")
+        with self._send_lock:
+            self._conn.send(message)
+
+    # ---- the reader thread ------------------------------------------------------------------------
+    def _read(self, conn, process) -> None:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            self._loop.call_soon_threadsafe(self._dispatch, message)
+        process.join()
+        self._loop.call_soon_threadsafe(self._worker_died, process.exitcode)
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "ready":
+            self.info = message[1]
+            self.fitted_context = self.info["context"]
+            self.state, self.error = "ready", None
+            if not self._ready.done():
+                self._ready.set_result(self.info)
+        elif kind == "failed":
+            self.state, self.error = "error", message[1]
+            log.error("the engine failed to start: %s\n%s", message[1], message[2])
+            if not self._ready.done():
+                self._ready.set_result(None)
+        elif kind == "token":
+            stream = self._streams.get(message[1])
+            if stream is not None:
+                stream.queue.put_nowait(("token", message[2], message[3]))
+        elif kind in ("finish", "rejected"):
+            stream = self._streams.pop(message[1], None)
+            if stream is not None:
+                stream.queue.put_nowait((kind, message[2]))
+        else:   # replies to park / unpark / stats
+            future = self._replies.pop(kind, None)
+            if future is not None and not future.done():
+                future.set_result(message[1])
+
+    def _worker_died(self, exitcode: int | None) -> None:
+        if self._stopping:
+            return
+        self._conn = None
+        reason = f"the engine worker exited unexpectedly (exit code {exitcode})"
+        for stream in self._streams.values():
+            stream.queue.put_nowait(("rejected", f"{reason}; the request was lost and can be sent again"))
+        self._streams.clear()
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(reason))
+        self._replies.clear()
+        if self.state == "error" and self.fitted_context is None:
+            return                       # it never came up: do not loop on a broken configuration
+        log.error("%s; restarting it at context %s", reason, self.fitted_context)
+        self.state, self.error = "error", reason
+        self.restarts += 1
+        self._loop.call_later(self._restart_delay, lambda: asyncio.ensure_future(self._spawn()))
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def submit(self, fields: dict) -> Stream:
+        if self.state != "ready":
+            raise EngineUnavailable(f"the engine is {self.state}" + (f": {self.error}" if self.error else ""))
+        stream = Stream(f"r{next(self._ids)}")
+        self._streams[stream.id] = stream
+        self._send("submit", stream.id, fields)
+        return stream
+
+    def cancel(self, stream: Stream) -> None:
+        if stream.id in self._streams and self._conn is not None:
+            self._send("cancel", stream.id)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    async def _call(self, kind: str, reply: str, timeout: float = 600.0) -> dict:
+        future = self._loop.create_future()
+        self._replies[reply] = future
+        self._send(kind)
+        return await asyncio.wait_for(future, timeout)
+
+    async def stats(self) -> dict:
+        if self.state not in ("ready", "parked"):
+            return {}
+        return await self._call("stats", "stats", timeout=10)
+
+    async def park(self) -> dict:
+        info = await self._call("park", "parked")
+        self.state = "parked"
+        return info
+
+    async def unpark(self) -> dict:
+        info = await self._call("unpark", "unparked")
+        self.state = "ready"
+        return info
+
+    def kill_worker(self) -> None:
+        """For tests and operators: end the worker abruptly (as a crash would)."""
+        if self._process is not None:
+            self._process.kill()

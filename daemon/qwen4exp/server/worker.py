@@ -1,0 +1,159 @@
+"""The engine worker: a child process that owns the model, the engine and the prefix cache.
+
+The daemon talks to it over one duplex pipe with small messages (token ids, not tensors):
+  daemon -> worker: ("submit", id, fields) ("cancel", id) ("park",) ("unpark",) ("stats",) ("stop",)
+  worker -> daemon: ("ready", info) ("token", id, token, text) ("finish", id, result)
+                    ("rejected", id, message) ("parked", info) ("unparked", info) ("stats", info)
+A CUDA error is sticky in a CUDA context, so the daemon restarts the whole process when it dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+
+log = logging.getLogger("qwen4exp.worker")
+
+
+class Worker:
+    def __init__(self, options: dict, conn):
+        self.options, self.conn = options, conn
+        self.send_lock = threading.Lock()
+        self.engine = None
+        self.cache = None
+        self.fitted_context: int | None = options.get("fitted_context")
+        self.requests: dict[str, object] = {}
+
+    def send(self, *message) -> None:
+        with self.send_lock:
+            self.conn.send(message)
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def load(self) -> dict:
+        import torch
+
+        from ..engine.engine import Engine
+        from ..engine.loading import load_model, resolve_device
+        from ..engine.prefix_cache import PrefixCache
+        from ..engine.snapshot import SnapshotBackend
+        from ..tokenizer import Tokenizer
+
+        started = time.perf_counter()
+        o = self.options
+        device = resolve_device(o["device"])
+        model = load_model(o["model"], dtype=o["dtype"], device=device, progress=False)
+        context = self.fitted_context or self._context(model, device)
+        self.fitted_context = context
+        if o["prefix_cache"] and self.cache is None:
+            self.cache = PrefixCache(o["chunk"], o["prefix_cache_limit"], SnapshotBackend.for_device(device),
+                                     model.config.indexer_compress_ratio)
+        self.engine = Engine(model, slots=o["slots"], context=context, chunk=o["chunk"],
+                             tokenizer=Tokenizer.from_dir(o["model"]), prefix_cache=self.cache,
+                             queue_limit=o["queue_limit"])
+        self.engine.start()
+        return {"context": context, "load_seconds": round(time.perf_counter() - started, 3),
+                "device": str(device), "vocab_size": model.config.vocab_size,
+                "gpu_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else 0}
+
+    def _context(self, model, device) -> int:
+        value = self.options["max_ctx"]
+        if value != "auto":
+            return int(value)
+        from ..engine.fit import fit_context   # the memory-fitting search (issue 5)
+        result = fit_context(model, slots=self.options["slots"], device=device,
+                             memory_limit=self.options["device_memory_limit"],
+                             snapshots_on_device=device.type == "cpu")
+        return result.context
+
+    def park(self) -> dict:
+        import gc
+
+        import torch
+        started = time.perf_counter()
+        before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        if self.engine is not None:
+            self.engine.stop()
+            self.engine.abort_all()
+            self.engine = None
+        gc.collect()
+        freed = 0
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            freed = before - torch.cuda.memory_allocated()
+        return {"seconds": round(time.perf_counter() - started, 3), "bytes_freed": freed,
+                "context": self.fitted_context}
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def submit(self, request_id: str, fields: dict) -> None:
+        from ..engine.request import Request, RequestRejected
+        from ..engine.sampling import SamplingParams
+
+        if self.engine is None:
+            self.send("rejected", request_id, "the engine is parked")
+            return
+        try:
+            request = Request(
+                prompt_ids=fields["prompt_ids"], max_tokens=fields["max_tokens"],
+                sampling=SamplingParams.from_dict(fields.get("sampling", {})),
+                stop_token_ids=tuple(fields.get("stop_token_ids", ())), stop=tuple(fields.get("stop", ())),
+                on_token=lambda r, token, text: self.send("token", r.id, token, text),
+                on_finish=self._finished, id=request_id)
+            self.requests[request_id] = request
+            self.engine.submit(request)
+        except (RequestRejected, ValueError) as err:
+            self.requests.pop(request_id, None)
+            self.send("rejected", request_id, str(err))
+
+    def _finished(self, request) -> None:
+        self.requests.pop(request.id, None)
+        self.send("finish", request.id, {
+            "finish_reason": request.finish_reason.value, "error": request.error, "text": request.text,
+            "output_ids": request.output_ids, "prompt_tokens": len(request.prompt_ids),
+            "cached_tokens": request.cached_tokens, "timings": request.timings()})
+
+    def stats(self) -> dict:
+        engine = self.engine
+        info = {"parked": engine is None, "context": self.fitted_context, "in_flight": len(self.requests)}
+        if engine is not None:
+            info.update(busy_slots=len(engine.pool.busy()), slots=len(engine.pool.slots),
+                        queued=engine.queued, chunk=engine.chunk)
+        if self.cache is not None:
+            info["prefix_cache"] = self.cache.stats()
+        return info
+
+    # ---- the command loop -------------------------------------------------------------------------
+    def serve(self) -> None:
+        try:
+            self.send("ready", self.load())
+        except Exception as err:  # noqa: BLE001 - report why the engine could not start, then exit
+            self.send("failed", f"{type(err).__name__}: {err}", traceback.format_exc())
+            return
+        while True:
+            try:
+                message = self.conn.recv()
+            except EOFError:
+                break
+            kind = message[0]
+            if kind == "submit":
+                self.submit(message[1], message[2])
+            elif kind == "cancel":
+                if self.engine is not None:
+                    self.engine.cancel(message[1])
+            elif kind == "park":
+                self.send("parked", self.park())
+            elif kind == "unpark":
+                self.send("unparked", self.load() if self.engine is None else {"context": self.fitted_context})
+            elif kind == "stats":
+                self.send("stats", self.stats())
+            elif kind == "stop":
+                break
+        if self.engine is not None:
+            self.engine.stop()
+
+
+def worker_main(options: dict, conn) -> None:
+    """Entry point of the child process."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s[worker]: %(message)s")
+    Worker(options, conn).serve()

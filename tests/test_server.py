@@ -1,0 +1,221 @@
+"""The daemon's HTTP API against a real server on loopback, with the tiny model in a real worker process."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from qwen4exp.server.app import SUPERVISOR, ServerOptions, create_app
+from qwen4exp.server.options import EngineOptions
+
+API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
+CONTEXT = 512
+
+
+class Server:
+    def __init__(self, checkpoint):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        engine = EngineOptions(model=str(checkpoint), device="cpu", slots=2, max_ctx=CONTEXT, chunk=32,
+                               prefix_cache_limit=64 << 20, queue_limit=4)
+        options = ServerOptions(model_name="tiny", api_key=API_KEY, admin_key=ADMIN_KEY, max_body_bytes=1 << 20)
+        self.app = create_app(engine, options)
+        self.run(self._start())
+
+    async def _start(self):
+        from aiohttp import web
+        self.runner = web.AppRunner(self.app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    def run(self, coro, timeout=120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def supervisor(self):
+        return self.app[SUPERVISOR]
+
+    def request(self, method, path, body=None, key=API_KEY, raw: bytes | None = None, headers=None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        h = {"Content-Type": "application/json", **(headers or {})}
+        if key:
+            h["Authorization"] = f"Bearer {key}"
+        conn.request(method, path, body=data, headers=h)
+        response = conn.getresponse()
+        payload = response.read()
+        conn.close()
+        try:
+            return response.status, json.loads(payload), response
+        except json.JSONDecodeError:
+            return response.status, payload.decode(), response
+
+    def wait_state(self, state, timeout=60):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.supervisor.state == state:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"state is {self.supervisor.state}, expected {state}")
+
+    def close(self):
+        self.run(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    s = Server(tiny_checkpoint)
+    yield s
+    s.close()
+
+
+def test_health_props_and_llama_server_fields(server):
+    status, body, _ = server.request("GET", "/health", key=None)
+    assert status == 200 and body["status"] == "ready"
+    status, props, _ = server.request("GET", "/props", key=None)
+    assert props["context"] == CONTEXT and props["total_slots"] == 2
+    assert props["default_generation_settings"]["n_ctx"] == CONTEXT
+    assert props["prefix_cache"]["tier"] == "host"
+
+
+def test_generate_json_and_usage(server):
+    status, body, _ = server.request("POST", "/generate", {"prompt_ids": list(range(1, 80)), "max_tokens": 6,
+                                                           "ignore_eos": True})
+    assert status == 200, body
+    assert len(body["token_ids"]) == 6 and body["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] == 79 and body["usage"]["completion_tokens"] == 6
+    # The same prompt again restores its prefix from the snapshot cache and gives the same answer.
+    status, again, _ = server.request("POST", "/generate", {"prompt_ids": list(range(1, 80)), "max_tokens": 6,
+                                                            "ignore_eos": True})
+    assert again["token_ids"] == body["token_ids"] and again["usage"]["cached_prompt_tokens"] == 64
+
+
+def test_generate_streams_server_sent_events(server):
+    status, text, response = server.request("POST", "/generate", {"prompt": "The mill", "max_tokens": 5,
+                                                                  "stream": True, "ignore_eos": True})
+    assert status == 200 and response.getheader("Content-Type").startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    tokens = [e["token"] for e in events if "token" in e]
+    assert len(tokens) == 5 and events[-1]["finish_reason"] == "length"
+    assert events[-1]["text"] == "".join(e["text"] for e in events if "token" in e)
+
+
+def test_openai_client_completions_and_chat(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=API_KEY)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    completion = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0)
+    assert completion.choices[0].finish_reason in ("length", "stop") and completion.usage.completion_tokens <= 4
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                          max_tokens=4, temperature=0.7, seed=1)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.prompt_tokens > 0
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0.7, seed=1,
+        stream=True) if c.choices]
+    assert "".join(pieces) == chat.choices[0].message.content      # seeded: streamed == not streamed
+    with pytest.raises(openai.BadRequestError, match="only n = 1"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, n=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="wrong").models.list()
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b'{"prompt": "\xff\xfe"}', "not valid UTF-8"),
+    (json.dumps({"prompt": 5}).encode(), "'prompt' must be a non-empty string"),
+    (json.dumps({"prompt": "a", "max_tokens": "9"}).encode(), "'max_tokens' must be an integer"),
+    (json.dumps({"prompt": "a", "temprature": 1}).encode(), "unknown field(s) for /generate: temprature"),
+    (json.dumps({"prompt": "a", "top_p": 3}).encode(), "top_p"),
+    (json.dumps({"prompt_ids": [1, 99999999]}).encode(), "outside [0,"),
+    (json.dumps({"prompt_ids": [1] * 500, "max_tokens": 100}).encode(), "exceeds the context of 512 tokens"),
+])
+def test_bad_requests_get_clear_400s_and_the_server_keeps_serving(server, raw, message):
+    status, body, _ = server.request("POST", "/generate", raw=raw)
+    assert status == 400 and message in body["error"]["message"], body
+    status, ok, _ = server.request("POST", "/generate", {"prompt": "still here", "max_tokens": 2})
+    assert status == 200
+
+
+def test_oversize_body_is_413(server):
+    status, body, _ = server.request("POST", "/generate", raw=b'{"prompt": "' + b"a" * (2 << 20) + b'"}')
+    assert status == 413 and "too large" in body["error"]["message"] and "1048576" in body["error"]["message"]
+
+
+def test_keys_are_required(server):
+    assert server.request("POST", "/generate", {"prompt": "a"}, key=None)[0] == 401
+    assert server.request("POST", "/park", {}, key=API_KEY)[0] == 401          # the api key is not an admin key
+
+
+def test_disconnect_mid_stream_cancels_the_request(server):
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    body = json.dumps({"prompt_ids": [3] * 40, "max_tokens": 400, "stream": True, "ignore_eos": True}).encode()
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert b"data:" in sock.recv(4096)
+    sock.close()
+    deadline = time.time() + 30
+    while time.time() < deadline and server.supervisor.in_flight:
+        time.sleep(0.05)
+    assert server.supervisor.in_flight == 0
+    status, props, _ = server.request("GET", "/props")
+    assert props["busy_slots"] == 0
+
+
+def test_park_during_generation_then_unpark(server):
+    results = {}
+
+    def long_request():
+        results["r"] = server.request("POST", "/generate", {"prompt_ids": [5] * 30, "max_tokens": 300,
+                                                            "ignore_eos": True})
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(0.5)
+    status, parked, _ = server.request("POST", "/park", {"mode": "abort"}, key=ADMIN_KEY)
+    assert status == 200 and parked["parked"] and parked["context"] == CONTEXT
+    thread.join(30)
+    assert results["r"][1]["finish_reason"] == "cancelled"
+    assert server.request("GET", "/health", key=None)[0] == 503
+    status, body, response = server.request("POST", "/generate", {"prompt": "a", "max_tokens": 2})
+    assert status == 503 and response.getheader("Retry-After")
+    assert server.request("POST", "/park", {}, key=ADMIN_KEY)[1]["already"]          # idempotent
+    status, unparked, _ = server.request("POST", "/unpark", {}, key=ADMIN_KEY)
+    assert status == 200 and unparked["context"] == CONTEXT
+    # The prefix snapshots survived the park.
+    status, body, _ = server.request("POST", "/generate", {"prompt_ids": list(range(1, 80)), "max_tokens": 2})
+    assert status == 200 and body["usage"]["cached_prompt_tokens"] == 64
+
+
+def test_killed_worker_fails_in_flight_and_comes_back(server):
+    results = {}
+
+    def long_request():
+        results["r"] = server.request("POST", "/generate", {"prompt_ids": [6] * 30, "max_tokens": 400,
+                                                            "ignore_eos": True})
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(0.5)
+    server.supervisor.kill_worker()
+    thread.join(30)
+    status, body, _ = results["r"]
+    assert status in (500, 503) and "worker exited" in body["error"]["message"]
+    server.wait_state("ready", timeout=90)
+    assert server.supervisor.restarts >= 1 and server.supervisor.fitted_context == CONTEXT
+    assert server.request("POST", "/generate", {"prompt": "back", "max_tokens": 2})[0] == 200
+
+
+def test_metrics_and_openapi(server):
+    status, text, _ = server.request("GET", "/metrics", key=None)
+    assert status == 200 and "qwen4exp_up 1" in text and "qwen4exp_prefix_cache_hits_total" in text
+    status, doc, _ = server.request("GET", "/openapi.json", key=None)
+    assert doc["openapi"].startswith("3.") and "/v1/chat/completions" in doc["paths"]
