@@ -160,6 +160,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_install_service(args: argparse.Namespace) -> int:
+    from .service_install import install
+    for line in install(user=args.user, profile=args.profile, root=args.root):
+        print(line)
+    return 0
+
+
 def cmd_init_checkpoint(args: argparse.Namespace) -> int:
     import torch
 
@@ -214,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="bearer key for inference (or QWEN4EXP_API_KEY)")
     srv.add_argument("--admin-key", default=None, help="bearer key for /park and /unpark (or QWEN4EXP_ADMIN_KEY)")
     srv.set_defaults(func=cmd_serve)
+
+    svc = sub.add_parser("install-service", help="install the systemd unit (Type=notify) for this installation")
+    svc.add_argument("--user", default="qwen4exp", help="the system user the service runs as (created if missing)")
+    svc.add_argument("--profile", default="h200", help="the profile `qwen4exp serve` loads")
+    svc.add_argument("--root", default=None, help="write under this directory and run nothing (packaging)")
+    svc.set_defaults(func=cmd_install_service)
 
     init = sub.add_parser("init-checkpoint", help="write a random-weight checkpoint in the published layout")
     init.add_argument("--preset", choices=PRESET_MODELS, required=True)

@@ -10,12 +10,15 @@ from aiohttp import web
 
 from .app import SUPERVISOR, ServerOptions, create_app
 from .options import EngineOptions
+from .sd_notify import Notifier
 
 log = logging.getLogger("qwen4exp.server")
 
 
 async def serve(engine_options: EngineOptions, options: ServerOptions, host: str, port: int,
                 on_ready=None) -> None:
+    notifier = Notifier()
+    notifier.notify(STATUS=f"loading {engine_options.model}")
     app = create_app(engine_options, options)
     runner = web.AppRunner(app, handle_signals=False, access_log=None)
     await runner.setup()                     # starts the engine worker (cleanup_ctx) and waits for it
@@ -24,13 +27,29 @@ async def serve(engine_options: EngineOptions, options: ServerOptions, host: str
     supervisor = app[SUPERVISOR]
     log.info("serving %s on http://%s:%d (engine %s, context %s)", engine_options.model, host, port,
              supervisor.state, supervisor.fitted_context)
+    notifier.notify(READY=1, STATUS=f"serving on {host}:{port}, context {supervisor.fitted_context}")
     if on_ready is not None:
         on_ready(app)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    watchdog = asyncio.ensure_future(_watchdog(notifier, supervisor)) if notifier.watchdog_interval() else None
     try:
         await stop.wait()
     finally:
+        notifier.notify(STOPPING=1)
+        if watchdog is not None:
+            watchdog.cancel()
         await runner.cleanup()
+
+
+async def _watchdog(notifier: Notifier, supervisor) -> None:
+    """Ping while the event loop runs; report the engine's state in STATUS= as it changes."""
+    last = None
+    while True:
+        notifier.notify(WATCHDOG=1)
+        if supervisor.state != last:
+            last = supervisor.state
+            notifier.notify(STATUS=f"engine {last}, context {supervisor.fitted_context}")
+        await asyncio.sleep(notifier.watchdog_interval())
