@@ -139,24 +139,63 @@ def _generate_many(args: argparse.Namespace, model, tokenizer) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace, keys: dict[str, str]):
+    """The effective settings: command line > environment > profile > defaults."""
+    from .config import ConfigError, load_settings
+    overrides = {key: getattr(args, attr) for attr, key in keys.items() if getattr(args, attr, None) is not None}
+    try:
+        return load_settings(args.profile, overrides=overrides)
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+SERVE_OVERRIDES = {"model": "model", "host": "server.host", "port": "server.port", "max_ctx": "max_ctx",
+                   "slots": "slots", "chunk": "chunk", "dtype": "dtype"}
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from .server.app import ServerOptions
-    from .server.options import EngineOptions
     from .server.serve import serve
+    from .server.settings_bridge import engine_options, server_options
 
-    model_dir = resolve_model(args.model)
-    max_ctx = args.max_ctx if args.max_ctx == "auto" else int(args.max_ctx)
-    engine = EngineOptions(model=str(model_dir), device=args.device, dtype=args.dtype, slots=args.slots,
-                           max_ctx=max_ctx, chunk=args.chunk, prefix_cache=args.prefix_cache_limit > 0,
-                           prefix_cache_limit=args.prefix_cache_limit, queue_limit=args.queue_limit)
-    options = ServerOptions(model_name=Path(model_dir).name, api_key=args.api_key or os.environ.get("QWEN4EXP_API_KEY"),
-                            admin_key=args.admin_key or os.environ.get("QWEN4EXP_ADMIN_KEY"))
-    print(f"qwen4exp: loading {model_dir} ...", file=sys.stderr)
-    asyncio.run(serve(engine, options, args.host, args.port,
-                      on_ready=lambda app: print(f"qwen4exp: serving on http://{args.host}:{args.port}",
-                                                 file=sys.stderr)))
+    settings = _settings(args, SERVE_OVERRIDES)
+    logging.getLogger().setLevel(settings.log_level.upper())
+    engine, options = engine_options(settings, resolve_model), server_options(settings)
+    host, port = settings.server.host, settings.server.port
+    print(f"qwen4exp: profile {settings.profile_path or 'defaults'}; loading {engine.model} ...", file=sys.stderr)
+    asyncio.run(serve(engine, options, host, port,
+                      on_ready=lambda app: print(f"qwen4exp: serving on http://{host}:{port}", file=sys.stderr)))
+    return 0
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    from .config import explain, list_profiles
+    if args.action == "list":
+        for name, path, description in list_profiles():
+            print(f"{name:24} {description}\n{'':24} {path}")
+        return 0
+    settings = _settings(args, {})
+    width = max(len(key) for key, _, _ in explain(settings))
+    for key, value, source in explain(settings):
+        print(f"{key:{width}}  {json.dumps(value, default=str):40}  {source}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import warnings
+
+    from .config import ConfigError, check_profile
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            settings = check_profile(args.profile)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    print(f"ok: {settings.profile_path or 'defaults'} is valid")
     return 0
 
 
@@ -207,20 +246,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON document with ids, text and timings")
     gen.set_defaults(func=cmd_generate)
 
-    srv = sub.add_parser("serve", help="serve the HTTP API (native, OpenAI-compatible, admin)")
-    srv.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (default)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8077)
-    srv.add_argument("--device", default="auto")
-    srv.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    srv.add_argument("--slots", type=int, default=4)
-    srv.add_argument("--max-ctx", default="4096", help="tokens per slot, or 'auto' to fit the device")
-    srv.add_argument("--chunk", type=int, default=256, help="prompt chunk (and restore spacing) in tokens")
-    srv.add_argument("--prefix-cache-limit", type=int, default=1 << 30, help="bytes of prefix snapshots (0: off)")
-    srv.add_argument("--queue-limit", type=int, default=64)
-    srv.add_argument("--api-key", default=None, help="bearer key for inference (or QWEN4EXP_API_KEY)")
-    srv.add_argument("--admin-key", default=None, help="bearer key for /park and /unpark (or QWEN4EXP_ADMIN_KEY)")
+    srv = sub.add_parser("serve", help="serve the HTTP API (native, OpenAI-compatible, admin) from a profile")
+    srv.add_argument("--profile", default=None, help="a profile name or path (default: QWEN4EXP_PROFILE, else tiny)")
+    srv.add_argument("--model", default=None, help="checkpoint directory, or 'tiny'")
+    srv.add_argument("--host", default=None)
+    srv.add_argument("--port", type=int, default=None)
+    srv.add_argument("--max-ctx", default=None, help="tokens per slot, or 'auto' to fit the device")
+    srv.add_argument("--slots", type=int, default=None)
+    srv.add_argument("--chunk", default=None, help="prompt chunk in tokens, or 'auto'")
+    srv.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     srv.set_defaults(func=cmd_serve)
+
+    prof = sub.add_parser("profiles", help="list the profiles, or show the effective settings and their sources")
+    prof.add_argument("action", choices=["list", "show"], nargs="?", default="list")
+    prof.add_argument("--profile", default=None)
+    prof.set_defaults(func=cmd_profiles)
+
+    chk = sub.add_parser("check", help="validate a profile without loading a model")
+    chk.add_argument("--profile", default=None)
+    chk.set_defaults(func=cmd_check)
 
     svc = sub.add_parser("install-service", help="install the systemd unit (Type=notify) for this installation")
     svc.add_argument("--user", default="qwen4exp", help="the system user the service runs as (created if missing)")

@@ -23,6 +23,7 @@ class ServerOptions:
     admin_key: str | None = None
     max_body_bytes: int = 8 << 20
     wake_on_request: bool = False
+    park_after_idle: float | None = None      # seconds without requests before an automatic park
     default_max_tokens: int = 256
 
 
@@ -46,7 +47,8 @@ def _authorised(request: web.Request, key: str | None) -> bool:
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     options = request.app[OPTIONS]
-    if request.path.startswith(ADMIN_PATHS) and not _authorised(request, options.admin_key):
+    # Without an admin key, the API key guards the admin endpoints too (never leave them open by accident).
+    if request.path.startswith(ADMIN_PATHS) and not _authorised(request, options.admin_key or options.api_key):
         raise ApiError(401, "this admin endpoint needs 'Authorization: Bearer <admin key>'", "authentication_error")
     if request.path.startswith(INFERENCE_PATHS) and not _authorised(request, options.api_key):
         raise ApiError(401, "this endpoint needs 'Authorization: Bearer <api key>'", "authentication_error")
@@ -88,6 +90,7 @@ async def props(request: web.Request) -> web.Response:
         "state": supervisor.state,
         "context": context,
         "context_source": "profile" if engine_options.max_ctx != "auto" else "fitted (max_ctx = \"auto\")",
+        "plan": supervisor.info.get("plan"),
         "slots": engine_options.slots,
         "chunk": engine_options.chunk,
         "device": supervisor.info.get("device"),
@@ -165,5 +168,18 @@ def create_app(engine_options: EngineOptions, options: ServerOptions) -> web.App
 async def _engine_lifecycle(app: web.Application):
     supervisor = app[SUPERVISOR]
     await supervisor.start()
+    idle = app[OPTIONS].park_after_idle
+    watcher = asyncio.ensure_future(_park_when_idle(supervisor, idle)) if idle else None
     yield
+    if watcher is not None:
+        watcher.cancel()
     await supervisor.stop()
+
+
+async def _park_when_idle(supervisor: Supervisor, seconds: float) -> None:
+    """Park after `seconds` with no request in flight (the profile's park_after_idle)."""
+    while True:
+        await asyncio.sleep(min(seconds, 5.0))
+        if supervisor.state == "ready" and not supervisor.in_flight and \
+                time.monotonic() - supervisor.last_activity >= seconds:
+            await supervisor.park()

@@ -13,8 +13,9 @@ class EngineOptions:
     slots: int = 4
     max_ctx: int | str = 4096        # a number, or "auto" (fitted once, then kept)
     chunk: int = 256
+    restore_spacing: int | None = None     # None: the chunk
     prefix_cache: bool = True
-    prefix_cache_limit: int = 1 << 30
+    prefix_cache_limit: int | str = 1 << 30  # bytes, or "auto" (decided at start from free memory)
     device_memory_limit: int | None = None
     queue_limit: int = 64
 

@@ -12,6 +12,7 @@ import itertools
 import logging
 import multiprocessing
 import threading
+import time
 from dataclasses import dataclass, field
 
 from .options import EngineOptions
@@ -39,6 +40,7 @@ class Supervisor:
         self.info: dict = {}
         self.fitted_context: int | None = None
         self.restarts = 0
+        self.last_activity = time.monotonic()
         self._ctx = multiprocessing.get_context("spawn")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, Stream] = {}
@@ -145,6 +147,7 @@ class Supervisor:
     def submit(self, fields: dict) -> Stream:
         if self.state != "ready":
             raise EngineUnavailable(f"the engine is {self.state}" + (f": {self.error}" if self.error else ""))
+        self.last_activity = time.monotonic()
         stream = Stream(f"r{next(self._ids)}")
         self._streams[stream.id] = stream
         self._send("submit", stream.id, fields)

@@ -1,0 +1,98 @@
+"""`qwen4exp check`: validate a profile as the daemon would read it, without loading a model.
+
+Errors (ConfigError) are what would stop the daemon: a bad key or value, a missing or unreadable checkpoint.
+Warnings (ConfigWarning, through the warnings module so the CLI can collect them and a daemon logs them)
+are what this machine cannot confirm or what is probably a mistake: a GPU torch cannot see here, snapshots on
+a discrete GPU, an API open to the network without a key, a key in a world-readable profile.
+"""
+
+from __future__ import annotations
+
+import stat
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, ConfigWarning
+from .load import explain, load_settings
+from .schema import Settings
+
+_LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def check_profile(profile: str | Path | None = None, *, overrides: Mapping[str, Any] | None = None,
+                  env: Mapping[str, str] | None = None) -> Settings:
+    """The settings the daemon would serve with; raises ConfigError, warns ConfigWarning."""
+    settings = load_settings(profile, overrides, env)
+    sources = {key: source for key, _, source in explain(settings)}
+    for message in _device_warnings(settings) + _policy_warnings(settings, sources):
+        warnings.warn(message, ConfigWarning, stacklevel=2)
+    _check_model(settings, sources["model"])     # after the warnings, so a missing model does not hide them
+    return settings
+
+
+def _check_model(settings: Settings, source: str) -> None:
+    """The checkpoint's config and weight files, read from headers and the index only (no tensor data)."""
+    if settings.model == "tiny":
+        return                                  # written on first use; nothing to find
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.loader import checkpoint_files, read_config
+
+    path = Path(settings.model)
+    if not path.is_dir():
+        what = "no such directory" if not path.exists() else "not a directory"
+        raise ConfigError(f"{source}: model = {str(path)!r}: {what}; point it at a checkpoint directory "
+                          f"(config.json + safetensors + tokenizer) or write 'tiny'")
+    try:
+        read_config(path)
+        checkpoint_files(path)
+    except CheckpointError as err:
+        raise ConfigError(f"{source}: model = {str(path)!r} is not a usable checkpoint: {err}") from None
+
+
+def _device_warnings(settings: Settings) -> list[str]:
+    gpus = [d for d in settings.devices if d.kind == "cuda"]
+    if not gpus:
+        return []
+    try:
+        import torch
+    except ImportError:
+        return ["devices: torch is not importable here, so the GPUs named were not checked"]
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    out = []
+    for device in gpus:
+        index = int(device.name.split(":")[1])
+        if index >= count:
+            out.append(f"devices: {device.name} is not visible here (torch sees {count} GPU"
+                       f"{'' if count == 1 else 's'}); the profile is valid but this machine cannot serve it")
+            continue
+        props = torch.cuda.get_device_properties(index)
+        if "snapshots" in device.role and not props.is_integrated:
+            out.append(f"devices: snapshots on {device.name} ({props.name}), a discrete GPU, compete with the "
+                       f"slots' caches for its memory; name 'cpu' for pinned system memory instead")
+    if settings.target.kind == "cuda" and settings.dtype == "float32":
+        out.append("dtype: float32 on a GPU doubles the weights' memory; bfloat16 is the serving dtype")
+    return out
+
+
+def _policy_warnings(settings: Settings, sources: Mapping[str, str]) -> list[str]:
+    server, out = settings.server, []
+    if server.host not in _LOOPBACK and server.api_key is None:
+        out.append(f"server.host = {server.host!r} serves beyond this machine with no api_key; "
+                   f"set QWEN4EXP_API_KEY (e.g. in a systemd EnvironmentFile)")
+    if server.api_key is not None and server.admin_key is None:
+        out.append("server.api_key is set but server.admin_key is not: /park and /unpark take no key; "
+                   "set QWEN4EXP_ADMIN_KEY")
+    if server.api_key is not None and server.admin_key is not None \
+            and server.api_key.get_secret_value() == server.admin_key.get_secret_value():
+        out.append("server.admin_key equals server.api_key: every client could park the daemon")
+    profile = settings.profile_path
+    in_profile = [k for k in ("server.api_key", "server.admin_key") if sources.get(k, "").startswith("profile ")]
+    if profile is not None and in_profile and profile.stat().st_mode & stat.S_IROTH:
+        out.append(f"{profile} holds {' and '.join(in_profile)} and every user can read it; chmod 600 it, or move "
+                   f"the keys to an EnvironmentFile (QWEN4EXP_API_KEY, QWEN4EXP_ADMIN_KEY)")
+    if settings.park_after_idle is not None and not settings.wake_on_request:
+        out.append("park_after_idle is set and wake_on_request is false: after an idle park every request gets "
+                   "503 until someone calls /unpark")
+    return out
