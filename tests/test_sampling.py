@@ -154,7 +154,7 @@ def test_a_tiny_temperature_still_picks_the_top_token():
 @pytest.mark.parametrize("field, value, allowed", [
     ("temperature", -0.1, ">= 0"), ("temperature", math.nan, ">= 0"), ("top_k", -1, ">= 0"),
     ("top_p", 0.0, "(0, 1]"), ("top_p", 1.5, "(0, 1]"), ("min_p", 1.0, "[0, 1)"),
-    ("repetition_penalty", 0.0, "> 0"), ("presence_penalty", 2.5, "[-2, 2]"),
+    ("repetition_penalty", 0.0, "[0.01, 100]"), ("presence_penalty", 2.5, "[-2, 2]"),
     ("frequency_penalty", -3, "[-2, 2]"), ("top_k", 2.5, "integer"), ("seed", "7", "integer"),
 ])
 def test_out_of_range_params_name_the_field_value_and_range(field, value, allowed):
@@ -184,3 +184,11 @@ def test_from_dict_errors_name_the_key_and_where_it_came_from(d, message):
     with pytest.raises(ValueError) as err:
         P.from_dict(d, where="prompts.jsonl line 3")
     assert str(err.value).startswith("prompts.jsonl line 3: ") and message in str(err.value)
+
+
+def test_extreme_values_found_by_the_api_fuzzer_are_handled():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(0)) * 3
+    for temperature in (1e-300, 5e-324, 9e-6):          # below 1e-5: greedy, never an index error
+        assert Sampler(P(temperature=temperature, seed=1), prompt_ids=[1, 2])(logits) == int(logits.argmax())
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a number in \[0.01, 100\]"):
+        P(repetition_penalty=1e-300)                     # would turn positive logits into inf

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import http.client
 import json
 import socket
 import threading
@@ -11,65 +9,9 @@ import time
 
 import pytest
 
-from qwen4exp.server.app import SUPERVISOR, ServerOptions, create_app
-from qwen4exp.server.options import EngineOptions
+from live_server import ADMIN_KEY, API_KEY, Server
 
-API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
 CONTEXT = 512
-
-
-class Server:
-    def __init__(self, checkpoint):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        engine = EngineOptions(model=str(checkpoint), device="cpu", slots=2, max_ctx=CONTEXT, chunk=32,
-                               prefix_cache_limit=64 << 20, queue_limit=4)
-        options = ServerOptions(model_name="tiny", api_key=API_KEY, admin_key=ADMIN_KEY, max_body_bytes=1 << 20)
-        self.app = create_app(engine, options)
-        self.run(self._start())
-
-    async def _start(self):
-        from aiohttp import web
-        self.runner = web.AppRunner(self.app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-
-    def run(self, coro, timeout=120):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    @property
-    def supervisor(self):
-        return self.app[SUPERVISOR]
-
-    def request(self, method, path, body=None, key=API_KEY, raw: bytes | None = None, headers=None):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        h = {"Content-Type": "application/json", **(headers or {})}
-        if key:
-            h["Authorization"] = f"Bearer {key}"
-        conn.request(method, path, body=data, headers=h)
-        response = conn.getresponse()
-        payload = response.read()
-        conn.close()
-        try:
-            return response.status, json.loads(payload), response
-        except json.JSONDecodeError:
-            return response.status, payload.decode(), response
-
-    def wait_state(self, state, timeout=60):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.supervisor.state == state:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"state is {self.supervisor.state}, expected {state}")
-
-    def close(self):
-        self.run(self.runner.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
+GREEDY_BELOW = 1e-5
 # field -> (int or float, range check, allowed values as shown in errors)
 _RULES = {
     "temperature": (float, lambda v: 0.0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
     "top_k": (int, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
     "top_p": (float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
     "min_p": (float, lambda v: 0.0 <= v < 1.0, "a number in [0, 1)"),
-    "repetition_penalty": (float, lambda v: 0.0 < v < math.inf, "a finite number > 0 (1 = off)"),
+    "repetition_penalty": (float, lambda v: 0.01 <= v <= 100.0, "a number in [0.01, 100] (1 = off)"),
     "presence_penalty": (float, lambda v: -2.0 <= v <= 2.0, "a number in [-2, 2]"),
     "frequency_penalty": (float, lambda v: -2.0 <= v <= 2.0, "a number in [-2, 2]"),
     "seed": (int, lambda v: True, "an integer or null"),
@@ -59,7 +60,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, softmax(logits / temperature) is one-hot in float32 anyway: take the argmax directly.
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:

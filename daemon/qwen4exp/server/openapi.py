@@ -6,8 +6,8 @@ from aiohttp import web
 
 _SAMPLING = {
     "temperature": {"type": "number", "minimum": 0}, "top_k": {"type": "integer", "minimum": 0},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}, "min_p": {"type": "number", "minimum": 0},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+    "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1}, "min_p": {"type": "number", "minimum": 0},
+    "repetition_penalty": {"type": "number", "minimum": 0, "exclusiveMinimum": True},
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2}, "seed": {"type": "integer"},
     "max_tokens": {"type": "integer", "minimum": 1}, "stream": {"type": "boolean"},
