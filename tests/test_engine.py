@@ -193,3 +193,50 @@ def test_background_thread_serves_and_cancels(model):
     finally:
         engine.stop()
     assert torch.is_tensor(engine.pool.slots[0].state.layers[0].recurrent)
+
+
+def test_out_of_memory_in_a_chunk_is_retried_once_from_the_same_state(model, monkeypatch):
+    spec = _spec(random.Random(21)) | {"prompt_ids": [rng for rng in range(100, 180)]}
+    expected = _alone(model, spec)
+    engine = _engine(model)
+    real_forward = type(model).forward
+    calls = {"n": 0}
+
+    def flaky(self, segments, all_logits=False):
+        calls["n"] += 1
+        if calls["n"] == 2:           # fail the second chunk after it has updated some state
+            real_forward(self, segments, all_logits)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_forward(self, segments, all_logits)
+    monkeypatch.setattr(type(model), "forward", flaky)
+    request = engine.submit(Request(**spec))
+    engine.run_until_idle()
+    assert request.output_ids == expected
+
+
+def test_out_of_memory_twice_fails_only_that_request(model, monkeypatch):
+    engine = _engine(model)
+    doomed = engine.submit(Request(prompt_ids=[1] * 300, max_tokens=3))
+    healthy_spec = _spec(random.Random(22))
+    engine.step()
+    real_forward = type(model).forward
+
+    def oom_for_long(self, segments, all_logits=False):
+        if segments[0].state is engine.pool.slots[doomed.slot].state:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_forward(self, segments, all_logits)
+    monkeypatch.setattr(type(model), "forward", oom_for_long)
+    healthy = engine.submit(Request(**healthy_spec))
+    engine.run_until_idle()
+    assert doomed.finish_reason is FinishReason.ERROR and "out of memory" in doomed.error
+    assert "again after releasing cached blocks" in doomed.error
+    assert healthy.output_ids == _alone(model, healthy_spec)
+
+
+def test_an_empty_stop_string_is_refused_at_submit_and_the_engine_keeps_running(model, tokenizer):
+    engine = _engine(model, tokenizer=tokenizer)
+    with pytest.raises(RequestRejected, match="stop"):
+        engine.submit(Request(prompt_ids=[1, 2, 3], max_tokens=2, stop=("",)))
+    request = engine.submit(Request(prompt_ids=[1, 2, 3], max_tokens=2))
+    engine.run_until_idle()
+    assert request.finish_reason is FinishReason.LENGTH

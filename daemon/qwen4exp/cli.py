@@ -266,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--profile", default=None)
     chk.set_defaults(func=cmd_check)
 
+    from .plan_cli import add_parser as add_plan_parser
+    add_plan_parser(sub)
+
     svc = sub.add_parser("install-service", help="install the systemd unit (Type=notify) for this installation")
     svc.add_argument("--user", default="qwen4exp", help="the system user the service runs as (created if missing)")
     svc.add_argument("--profile", default="h200", help="the profile `qwen4exp serve` loads")

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from .memory import release_cached_blocks, run_with_oom_retry
 from .model.causal_lm import Qwen4ExpForCausalLM, Segment
 from .prefix_cache import PrefixCache
 from .request import FinishReason, QueueFull, Request, RequestRejected
@@ -88,8 +89,13 @@ class Engine:
         if n + request.max_tokens > self.context:
             raise RequestRejected(f"prompt of {n} tokens + max_tokens {request.max_tokens} = "
                                   f"{n + request.max_tokens} exceeds the context of {self.context} tokens")
-        if request.stop and self.tokenizer is None:
-            raise RequestRejected("stop strings need a tokenizer; this engine has none")
+        if request.stop:
+            if self.tokenizer is None:
+                raise RequestRejected("stop strings need a tokenizer; this engine has none")
+            try:
+                StopMatcher(list(request.stop))
+            except ValueError as err:
+                raise RequestRejected(f"stop: {err}") from None
 
     @property
     def queued(self) -> int:
@@ -161,7 +167,11 @@ class Engine:
                 if not self._queue:
                     break
                 request = self._queue.popleft()
-            self._start(slot, request)
+            try:
+                self._start(slot, request)
+            except Exception as err:  # noqa: BLE001 - a request that cannot start fails alone
+                log.exception("could not start %s", request.id)
+                self._finish(slot, request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
 
     def _start(self, slot: Slot, request: Request) -> None:
         slot.state.reset()
@@ -189,7 +199,17 @@ class Engine:
         end = min(len(request.prompt_ids), (begin // self.chunk + 1) * self.chunk)
         try:
             ids = torch.tensor(request.prompt_ids[begin:end], dtype=torch.long, device=self.device)
-            logits = self.model([Segment(ids, slot.state)])[0]
+            saved = [t.clone() for t in slot.state.carried()]
+
+            def run_chunk() -> torch.Tensor:
+                for target, copy in zip(slot.state.carried(), saved):
+                    target.copy_(copy)          # a retry starts from the state before the failed try
+                slot.state.length = begin
+                return self.model([Segment(ids, slot.state)])[0]
+
+            logits = run_with_oom_retry(run_chunk, self.device, f"the prompt chunk {begin}..{end} of {request.id}")
+            del saved
+            release_cached_blocks(self.device)   # give back what this chunk's temporaries grew
             slot.prefilled = end
             if self.prefix_cache is not None and end % self.restore_spacing == 0:
                 self._capture(slot, request.prompt_ids[:end])

@@ -42,6 +42,16 @@ class CacheCounters:
     restore_seconds: float = 0.0
 
 
+def auto_resident_limit(backend: SnapshotBackend) -> int:
+    """resident_limit = "auto": a quarter of the system memory free now for host snapshots; a tenth of the
+    device for snapshots kept on a unified-memory GPU."""
+    if backend.tier == "device":
+        return torch.cuda.get_device_properties(backend.device).total_memory // 10
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024 // 4
+
+
 class PrefixCache:
     def __init__(self, spacing: int, resident_limit: int, backend: SnapshotBackend, ratio: int):
         if spacing % ratio:

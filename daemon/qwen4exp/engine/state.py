@@ -93,6 +93,12 @@ class SequenceState:
             ple.conv.zero_()
             ple.context_ids.fill_(self._eos)
 
+    def carried(self) -> list[torch.Tensor]:
+        """The tensors a forward updates in place (not by position): saved before a prompt chunk so that a
+        chunk retried after an out-of-memory error starts from the same state."""
+        tensors = [t for layer in self.layers if isinstance(layer, DeltaNetState) for t in (layer.conv, layer.recurrent)]
+        return tensors + [t for ple in self.ple.values() for t in (ple.conv, ple.context_ids)]
+
     def check_room(self, new_tokens: int) -> None:
         if self.length + new_tokens > self.capacity:
             raise CapacityError(

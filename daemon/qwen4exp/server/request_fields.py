@@ -31,6 +31,8 @@ def string_list(body: dict, key: str, limit: int = 16) -> list[str]:
         raise ApiError(400, f"'{key}' must be a string or a list of strings", param=key)
     if len(value) > limit:
         raise ApiError(400, f"'{key}' has {len(value)} entries; at most {limit}", param=key)
+    if any(not s for s in value):
+        raise ApiError(400, f"'{key}' must not contain an empty string", param=key)
     return value
 
 

@@ -25,6 +25,7 @@ class Worker:
         self.cache = None
         self.fitted_context: int | None = options.get("fitted_context")
         self.requests: dict[str, object] = {}
+        self.plan: dict | None = None          # the context fit's plan, when max_ctx is "auto"
 
     def send(self, *message) -> None:
         with self.send_lock:
@@ -36,36 +37,44 @@ class Worker:
 
         from ..engine.engine import Engine
         from ..engine.loading import load_model, resolve_device
-        from ..engine.prefix_cache import PrefixCache
+        from ..engine.memory import set_device_memory_limit
+        from ..engine.prefix_cache import PrefixCache, auto_resident_limit
         from ..engine.snapshot import SnapshotBackend
         from ..tokenizer import Tokenizer
 
         started = time.perf_counter()
         o = self.options
         device = resolve_device(o["device"])
+        set_device_memory_limit(device, o["device_memory_limit"])
         model = load_model(o["model"], dtype=o["dtype"], device=device, progress=False)
-        context = self.fitted_context or self._context(model, device)
+        backend = SnapshotBackend.for_device(device)
+        context = self.fitted_context or self._context(model, device, backend.tier == "device" or
+                                                        device.type == "cpu")
         self.fitted_context = context
+        spacing = o["restore_spacing"] or o["chunk"]
         if o["prefix_cache"] and self.cache is None:
-            self.cache = PrefixCache(o["chunk"], o["prefix_cache_limit"], SnapshotBackend.for_device(device),
-                                     model.config.indexer_compress_ratio)
-        self.engine = Engine(model, slots=o["slots"], context=context, chunk=o["chunk"],
+            limit = o["prefix_cache_limit"]
+            limit = auto_resident_limit(backend) if limit == "auto" else int(limit)
+            self.cache = PrefixCache(spacing, limit, backend, model.config.indexer_compress_ratio)
+        self.engine = Engine(model, slots=o["slots"], context=context, chunk=o["chunk"], restore_spacing=spacing,
                              tokenizer=Tokenizer.from_dir(o["model"]), prefix_cache=self.cache,
                              queue_limit=o["queue_limit"])
         self.engine.start()
-        return {"context": context, "load_seconds": round(time.perf_counter() - started, 3),
+        return {"context": context, "plan": self.plan, "load_seconds": round(time.perf_counter() - started, 3),
                 "device": str(device), "vocab_size": model.config.vocab_size,
                 "gpu_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else 0}
 
-    def _context(self, model, device) -> int:
-        value = self.options["max_ctx"]
-        if value != "auto":
-            return int(value)
-        from ..engine.fit import fit_context   # the memory-fitting search (issue 5)
-        result = fit_context(model, slots=self.options["slots"], device=device,
-                             memory_limit=self.options["device_memory_limit"],
-                             snapshots_on_device=device.type == "cpu")
-        return result.context
+    def _context(self, model, device, snapshots_on_device: bool) -> int:
+        """The profile's number (checked), or the fit measured on this device for "auto"."""
+        from ..engine.fit import resolve_max_ctx
+        o = self.options
+        rows = -(-o["chunk"] // 256) * 256       # the planner's chunks are whole multiples of 256 rows
+        choice = resolve_max_ctx(o["max_ctx"], model, slots=o["slots"], device=device, chunk_floor=rows,
+                                 memory_limit=o["device_memory_limit"], snapshots_on_device=snapshots_on_device)
+        if choice.fit is not None:
+            log.info("fitted context %d tokens:\n%s", choice.context, choice.fit.plan.table())
+            self.plan = choice.fit.plan.to_dict()
+        return choice.context
 
     def park(self) -> dict:
         import gc

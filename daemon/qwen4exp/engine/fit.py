@@ -1,0 +1,215 @@
+"""`max_ctx = "auto"`: the largest context at which every slot fits on the device, measured there.
+
+The engine measures, the Rust planner decides (estimate mode, fed with measurements), the engine checks:
+1. weights (every parameter and buffer) and one slot's state at two capacities: bytes per position and
+   fixed bytes (a snapshot of a P-token prefix has the bytes of a state of capacity P);
+2. the floor chunk's workspace, run for real at the last positions of a one-slot state, its peak read
+   above that state: at the floor and twice the floor, then at each answer, until the answer is a
+   measured position (the planner's line is then exact there and extrapolates only past it);
+3. verification: every slot (and every on-device snapshot) allocated at the answer, the floor chunk and
+   then the planned chunk run at the last position. What the model did not explain becomes a workspace
+   sample at that position, which moves the answer down, until a verified context fits.
+Not real mode (ContextFit driven by tries): a try at 262144 would allocate every slot at full size, and
+under a capped allocator a miss is an out-of-memory error with no shortfall to steer by.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import _core
+from .fit_measure import (Verification, measure_state, measure_workspace, usable_capacity, verify_context,
+                          warm_up, weight_bytes)
+from .memory import DeviceMemoryError, as_device, device_memory_limit, human_size, run_with_oom_retry
+from .model.causal_lm import Qwen4ExpForCausalLM
+from .model.config import ModelConfig
+
+_ROUNDS = 4     # estimates refined by a sample at the answer; a line settles in one or two
+_CHECKS = 4     # verifications before giving up; each miss moves the answer down
+_STATE_PROBE = 4096     # states of this capacity and twice it give the per-position bytes
+
+
+class FitError(ValueError):
+    """No context can be fitted: an unsupported model, bad settings, or not even the floor fits."""
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What was measured on the device; per slot where it says so (the planner multiplies by slots)."""
+    device: str
+    capacity: int
+    capacity_source: str
+    weights: int
+    slot_bytes_per_position: int
+    slot_fixed: int
+    workspace: tuple[tuple[int, int], ...]     # (position, bytes) of the floor chunk
+    snapshots_on_device: bool
+
+
+@dataclass
+class FitResult:
+    context: int
+    chunk: int
+    plan: _core.Plan
+    seconds: float
+    measured: Measured | None = None
+    planner: _core.Planner | None = None        # the final budget model: evaluate(context + step) misses
+    verifications: list[Verification] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ContextChoice:
+    """The context to serve: a number that was given (`fit` is None), or the fitted one."""
+    context: int
+    fit: FitResult | None = None
+
+
+def model_config(model: torch.nn.Module) -> ModelConfig:
+    """The qwen4_exp config, or a refusal: only qwen4_exp's memory is modelled here."""
+    if not isinstance(model, Qwen4ExpForCausalLM):
+        raise FitError(f"max_ctx = 'auto' is fitted only for qwen4_exp models, not {type(model).__name__}; "
+                       f"set max_ctx to a number")
+    return model.config
+
+
+def resolve_max_ctx(value: str | int, model: torch.nn.Module, **fit_kwargs) -> ContextChoice:
+    """The context to serve. A number wins: a positive multiple of the QSA compress ratio, at most the
+    trained context ("8192" as text too). "auto" runs `fit_context(model, **fit_kwargs)`."""
+    if value == "auto":
+        result = fit_context(model, **fit_kwargs)
+        return ContextChoice(result.context, result)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FitError(f"max_ctx must be 'auto' or a number of positions, got {value!r}")
+    if not isinstance(model, Qwen4ExpForCausalLM):
+        raise FitError(f"max_ctx {value}: only qwen4_exp models are served, not {type(model).__name__}")
+    ratio, trained = model.config.indexer_compress_ratio, model.config.max_position_embeddings
+    if value <= 0 or value % ratio:
+        raise FitError(f"max_ctx {value} must be a positive multiple of the QSA compress ratio {ratio} "
+                       f"(e.g. {max(ratio, value // ratio * ratio)})")
+    if value > trained:
+        raise FitError(f"max_ctx {value} is past the model's trained context of {trained} positions")
+    return ContextChoice(value)
+
+
+def fit_context(model: torch.nn.Module, *, slots: int, chunk_floor: int = 256, max_chunk: int = 8192,
+                device: torch.device | str, memory_limit: int | None = None, snapshots_on_device: bool,
+                headroom: float = 0.1, trained: int = 262144, step: int = 4096, floor: int = 4096,
+                verify: bool = True) -> FitResult:
+    """The largest context (a multiple of `step` in [floor, trained]) at which `slots` slots, the floor
+    chunk at the last position and (with `snapshots_on_device`) one full snapshot per slot fit in the
+    device's capacity less `headroom`; and the largest prompt chunk at that context.
+
+    Capacity: `memory_limit`, else the limit `set_device_memory_limit` recorded, else what the device has
+    (CUDA: free + reserved by us; CPU: MemAvailable + the weights). For a given context, pass
+    trained = step = floor = that context: it is checked, not searched.
+
+    Raises:
+        FitError: not a qwen4_exp model, bad settings, or even the floor context does not fit (the
+            message names the device, what is missing and the whole breakdown).
+    """
+    started = time.perf_counter()
+    cfg = model_config(model)
+    device = as_device(device)
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise FitError(f"slots must be a positive integer, got {slots!r}")
+    if model.lm_head.weight.device != device:
+        raise FitError(f"the model's weights are on {model.lm_head.weight.device}, fitting was asked for {device}")
+    trained = min(trained, cfg.max_position_embeddings)
+    if floor < chunk_floor:
+        raise FitError(f"the smallest context, {floor}, is shorter than the floor chunk of {chunk_floor} rows")
+    weights = weight_bytes(model)
+    limit = memory_limit if memory_limit is not None else device_memory_limit(device)
+    capacity, source = usable_capacity(device, weights)
+    notes = [f"the probes are the planner's budget model over inputs measured on {device}; "
+             + ("the answer was then verified there" if verify else "the answer was not verified")]
+    if limit is not None:
+        if limit > capacity:
+            notes.append(f"the limit {human_size(limit)} is more than {device} can give ({human_size(capacity)}, "
+                         f"{source}): planning with the latter")
+        else:
+            capacity, source = limit, "memory limit"
+    try:        # the planner's own arithmetic (and its check of the headroom)
+        available = _core.DeviceBudget(str(device), capacity, bytes_per_position=0, headroom=headroom).available
+    except _core.PlannerError as err:
+        raise FitError(f"bad fit settings: {err}") from None
+    if weights >= available:
+        raise FitError(f"the weights alone, {human_size(weights)}, do not fit in the {human_size(available)} "
+                       f"available on {device} ({human_size(capacity)}, {source}, less {headroom:.0%} headroom)")
+    per_position, fixed = run_with_oom_retry(lambda: measure_state(model, device, _STATE_PROBE), device,
+                                             "one slot's state at two capacities")
+    samples: list[tuple[int, int]] = []
+
+    def planner() -> _core.Planner:
+        try:
+            budget = _core.DeviceBudget(
+                str(device), capacity, bytes_per_position=per_position * slots, weights=weights, graphs=0,
+                slot_state=fixed * slots, workspace=samples, snapshot_base=fixed if snapshots_on_device else 0,
+                snapshot_per_position=per_position if snapshots_on_device else 0, slots=slots, headroom=headroom)
+            return _core.Planner([budget], trained=trained, step=step, floor=floor, floor_chunk=chunk_floor,
+                                 max_chunk=max_chunk)
+        except _core.PlannerError as err:
+            raise FitError(f"bad fit settings: {err}") from None
+
+    def estimate(when: str = "") -> _core.Plan:
+        budget = planner()
+        try:
+            return budget.estimate()
+        except _core.PlannerError as err:
+            raise FitError(f"cannot fit {slots} slot(s) on {device} with {human_size(capacity)} ({source}) "
+                           f"and {headroom:.0%} headroom{when}: {err}") from None
+
+    def sample(position: int) -> None:
+        try:
+            samples.append((position, measure_workspace(model, device, position, chunk_floor)))
+        except DeviceMemoryError:
+            # Under a cap: the chunk needed more than was left beside one slot, a lower bound that
+            # makes the model miss here.
+            room = capacity - weights - fixed - per_position * position
+            samples.append((position, max(room, 0) + 1))
+            notes.append(f"out of memory measuring the chunk at {position}: counted as at least "
+                         f"{human_size(room)}")
+
+    estimate(", before measuring the chunk's workspace")    # the fixed parts alone may not fit
+    warm_up(model, device, chunk_floor)
+    for position in sorted({floor, min(2 * floor, trained)}):
+        sample(position)
+    plan = estimate()
+    for _ in range(_ROUNDS):
+        if plan.context in {p for p, _ in samples}:
+            break
+        sample(plan.context)
+        plan = estimate()
+    verifications: list[Verification] = []
+    chunk = min(plan.chunk, plan.context)
+    if verify:
+        for _ in range(_CHECKS):
+            rows = [chunk_floor] + ([chunk] if chunk > chunk_floor else [])
+            checks = verify_context(model, device, plan.context, rows, slots, snapshots_on_device, weights,
+                                    available)
+            verifications += checks
+            if checks[0].fits:
+                break
+            # What the model does not explain is workspace there; the raised line moves the answer down.
+            copies = slots * (2 if snapshots_on_device else 1)
+            explained = weights + copies * (fixed + per_position * plan.context)
+            samples.append((plan.context, max(checks[0].needed - explained, 0)))
+            plan = estimate()
+            chunk = min(plan.chunk, plan.context)
+        else:
+            last = verifications[-1]
+            raise FitError(f"no context verified on {device} after {_CHECKS} checks: the last, {last.context}, "
+                           f"needed {human_size(last.needed)} of {human_size(last.available)}")
+        if not checks[-1].fits:
+            notes.append(f"the planned chunk of {chunk} rows needed {human_size(checks[-1].needed)} of "
+                         f"{human_size(available)} when run: serving the floor chunk of {chunk_floor}")
+            chunk = chunk_floor
+    measured = Measured(str(device), capacity, source, weights, per_position, fixed, tuple(samples),
+                        snapshots_on_device)
+    return FitResult(plan.context, chunk, plan, time.perf_counter() - started, measured, planner(),
+                     verifications, notes)

@@ -1,0 +1,144 @@
+"""`qwen4exp plan`: fit the context on the real device and print the budget and every probe, without serving."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    plan = subparsers.add_parser(
+        "plan", help="measure the model on the device and print the memory plan (fitted context, budget, "
+                     "probes) without serving")
+    plan.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (default)")
+    plan.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    plan.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                      help="weights and caches dtype (auto: bfloat16 on cuda, float32 on cpu)")
+    plan.add_argument("--slots", type=int, default=4, help="slots, each at the full context")
+    plan.add_argument("--max-ctx", default="auto",
+                      help="'auto' fits the context; a number is checked against the budget instead")
+    plan.add_argument("--device-memory-limit", default=None, metavar="SIZE",
+                      help="cap this process's memory on the device, e.g. 32GiB, 512MiB, 1.5GB or bytes")
+    plan.add_argument("--snapshots", choices=["auto", "host", "device"], default="auto",
+                      help="where prefix snapshots live (auto: on the device for cpu and integrated GPUs, "
+                           "else in host memory); on the device one full snapshot per slot is reserved")
+    plan.add_argument("--headroom", type=float, default=0.1, help="fraction of capacity kept free (0.1)")
+    plan.add_argument("--no-verify", action="store_true",
+                      help="skip allocating every slot at the answer to check it for real")
+    plan.add_argument("--json", action="store_true", help="print one JSON document")
+    plan.set_defaults(func=cmd_plan)
+    return plan
+
+
+def parse_limit(text: str | None) -> int | None:
+    """--device-memory-limit in bytes: read as profiles read sizes ("32GiB", "512MiB", "1.5GB", "32G", bytes)."""
+    from .config.sizes import parse_size
+
+    if text is None:
+        return None
+    try:
+        limit = parse_size(text)
+    except ValueError as err:
+        raise ValueError(f"--device-memory-limit: {err}") from None
+    if limit <= 0:
+        raise ValueError(f"--device-memory-limit must be more than 0 bytes, got {text!r}")
+    return limit
+
+
+def _snapshots_on_device(choice: str, device) -> bool:
+    """Snapshots share the device's memory on the CPU and on unified-memory GPUs; beside a discrete GPU
+    they go to pinned host memory."""
+    if choice != "auto":
+        return choice == "device"
+    if device.type == "cpu":
+        return True
+    import torch
+    return bool(getattr(torch.cuda.get_device_properties(device), "is_integrated", False))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .cli import resolve_model
+    from .engine.fit import FitError, fit_context, resolve_max_ctx
+    from .engine.loading import load_model, resolve_device
+    from .engine.memory import as_device, set_device_memory_limit
+
+    try:
+        limit = parse_limit(args.device_memory_limit)
+        device = as_device(resolve_device(args.device))
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    model_dir = resolve_model(args.model)
+    model = load_model(str(model_dir), dtype=dtype, device=device, progress=not args.json)
+    snapshots = _snapshots_on_device(args.snapshots, device)
+    settings: dict[str, Any] = dict(slots=args.slots, device=device, snapshots_on_device=snapshots,
+                                    headroom=args.headroom, verify=not args.no_verify)
+    try:
+        if limit is not None:
+            set_device_memory_limit(device, limit)
+        choice = resolve_max_ctx(args.max_ctx, model, **settings)
+        # A given number is checked, not searched: the search starts and ends there.
+        result = choice.fit or fit_context(model, trained=choice.context, step=choice.context,
+                                           floor=choice.context, **settings)
+    except (FitError, ValueError) as err:
+        raise SystemExit(f"error: {err}") from None
+    header = {"model": str(model_dir), "device": str(device), "dtype": dtype, "slots": args.slots,
+              "max_ctx": args.max_ctx, "device_memory_limit": limit,
+              "snapshots": "device" if snapshots else "host"}
+    if args.json:
+        print(json.dumps(_as_json(header, result)))
+    else:
+        print(_as_text(header, result))
+    return 0
+
+
+def _as_json(header: dict[str, Any], result) -> dict[str, Any]:
+    m = result.measured
+    return {**header, "context": result.context, "chunk": result.chunk, "seconds": round(result.seconds, 3),
+            "measured": {"capacity": m.capacity, "capacity_source": m.capacity_source, "weights": m.weights,
+                         "slot_bytes_per_position": m.slot_bytes_per_position, "slot_fixed": m.slot_fixed,
+                         "workspace": [list(s) for s in m.workspace]},
+            "verifications": [{"context": v.context, "rows": v.rows, "needed": v.needed,
+                               "available": v.available, "fits": v.fits, "out_of_memory": v.out_of_memory}
+                              for v in result.verifications],
+            "notes": result.notes, "plan": result.plan.to_dict()}
+
+
+def _as_text(header: dict[str, Any], result) -> str:
+    from .engine.memory import human_size
+
+    m = result.measured
+    shown = dict(header, device_memory_limit=human_size(header["device_memory_limit"])
+                 if header["device_memory_limit"] is not None else None)
+    lines = [" ".join(f"{k}={v}" for k, v in shown.items() if v is not None), "",
+             f"serving: context {result.context}, prompt chunk {result.chunk} rows "
+             f"(fitted in {result.seconds:.1f} s)", "", result.plan.table().rstrip(), "",
+             f"measured on {m.device}:",
+             f"- capacity {human_size(m.capacity)} ({m.capacity_source})",
+             f"- weights {human_size(m.weights)}",
+             f"- one slot: {m.slot_bytes_per_position} B/position + {human_size(m.slot_fixed)} fixed "
+             f"(a snapshot of P positions is the same size as a slot of capacity P)"]
+    lines += [f"- floor chunk workspace at {pos}: {human_size(ws)}" for pos, ws in m.workspace]
+    for v in result.verifications:
+        verdict = "out of memory" if v.out_of_memory else ("fits" if v.fits else "miss")
+        lines.append(f"- verified {v.context} with a {v.rows}-row chunk at the last position: needed "
+                     f"{human_size(v.needed)} of {human_size(v.available)}: {verdict}")
+    if not result.verifications:
+        lines.append("- not verified (--no-verify)")
+    lines += [f"- {note}" for note in result.notes]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `plan` alone (until cli.py wires `add_parser` in): `python -m qwen4exp.plan_cli --model tiny`."""
+    parser = argparse.ArgumentParser(prog="qwen4exp")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""max_ctx = "auto" on the CPU with the tiny model: a memory cap, 4 slots, snapshots in the same memory.
+
+The tiny model's caches are ~1.8 KB per position per slot and its floor chunk's workspace grows ~4 KB per
+position, so caps of 256 and 512 MiB fit contexts of a few times 4096 and the chunks run in well under a
+second."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qwen4exp.engine import fit as fit_module
+from qwen4exp.engine.fit import FitError, fit_context, resolve_max_ctx
+from qwen4exp.engine.fit_measure import Verification
+from qwen4exp.engine.memory import device_memory_limit, set_device_memory_limit
+
+MiB = 1 << 20
+STEP = 4096
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    from qwen4exp.engine.loading import load_model
+    return load_model(str(tiny_checkpoint), dtype="float32", device="cpu", progress=False)
+
+
+def _fit(model, cap, snapshots=True, **kwargs):
+    return fit_context(model, slots=4, device="cpu", memory_limit=cap, snapshots_on_device=snapshots, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def fit256(model):
+    return _fit(model, 256 * MiB)
+
+
+@pytest.fixture(scope="module")
+def fit512(model):
+    return _fit(model, 512 * MiB)
+
+
+@pytest.mark.parametrize("name", ["fit256", "fit512"])
+def test_fit_is_tight_and_verified(name, request):
+    result = request.getfixturevalue(name)
+    assert result.context % STEP == 0 and result.context >= STEP
+    assert result.plan.context == result.context
+    at, above = result.planner.evaluate(result.context)[0], result.planner.evaluate(result.context + STEP)[0]
+    assert at.fits and not above.fits, (at.needed, above.needed, at.available)
+    check = result.verifications[0]
+    assert check.context == result.context and check.rows == 256
+    assert check.fits and check.needed <= check.available
+    # The answer is a measured position: the workspace line is exact there.
+    assert result.context in [p for p, _ in result.measured.workspace]
+    assert result.plan.devices[0].capacity == result.measured.capacity
+
+
+def test_smaller_cap_gives_smaller_context(fit256, fit512):
+    assert fit256.context < fit512.context
+    assert fit256.measured.slot_bytes_per_position == fit512.measured.slot_bytes_per_position > 0
+
+
+def test_snapshots_in_host_memory_leave_more_context(model, fit256):
+    host = _fit(model, 256 * MiB, snapshots=False, verify=False)
+    assert host.context > fit256.context
+    assert host.plan.devices[0].snapshots == 0 and fit256.plan.devices[0].snapshots > 0
+    assert host.verifications == []
+
+
+def test_plan_table_names_every_row(fit256):
+    table = fit256.plan.table()
+    for row in ("capacity", "headroom", "weights", "graphs", "caches", "chunk workspace", "snapshots", "free",
+                "probes, context search", "probes, chunk search", "notes", "workspace fitted linearly"):
+        assert row in table, row
+    for probe in fit256.plan.probes:
+        assert str(probe.candidate) in table
+    assert fit256.plan.devices[0].graphs == 0
+
+
+def test_a_number_wins_over_auto(model):
+    # A cap of 1 byte would fail any fit: a number must not fit at all.
+    choice = resolve_max_ctx(8192, model, slots=4, device="cpu", memory_limit=1, snapshots_on_device=True)
+    assert choice.context == 8192 and choice.fit is None
+    assert resolve_max_ctx("20000", model).context == 20000
+
+
+@pytest.mark.parametrize("value, words", [
+    (8190, "multiple of the QSA compress ratio 4"), (0, "positive multiple"),
+    (262148, "past the model's trained context of 262144"), ("lots", "'auto' or a number"), (True, "'auto' or a"),
+])
+def test_bad_numbers_are_refused(model, value, words):
+    with pytest.raises(FitError, match=words):
+        resolve_max_ctx(value, model)
+
+
+def test_other_architectures_refuse_auto():
+    with pytest.raises(FitError, match="only for qwen4_exp models, not Linear"):
+        resolve_max_ctx("auto", torch.nn.Linear(2, 2), slots=1, device="cpu", snapshots_on_device=False)
+
+
+@pytest.mark.parametrize("cap, when", [
+    (48, ", before measuring the chunk's workspace"),   # the slots and snapshots alone miss
+    (72, ""),                                            # they fit, the measured chunk does not
+])
+def test_cap_below_the_floor_names_what_is_missing(model, cap, when):
+    with pytest.raises(FitError) as caught:
+        _fit(model, cap * MiB)
+    text = str(caught.value)
+    for words in (f"cannot fit 4 slot(s) on cpu with {cap}.00 MiB (memory limit) and 10% headroom{when}:",
+                  "context 4096 is the floor and still does not fit: device 'cpu' needs", "more (needed",
+                  "weights 4.4 MiB", "caches 27.9 MiB", "snapshots 27.9 MiB", "available"):
+        assert words in text, (words, text)
+    workspace = text.split("chunk workspace ")[1].split(" +")[0]
+    assert (workspace == "0 B") == bool(when), text
+
+
+def test_weights_over_the_cap_are_refused_before_anything_runs(model):
+    with pytest.raises(FitError, match=r"the weights alone, 4.39 MiB, do not fit in the 3.60 MiB available on cpu "
+                                       r"\(4.00 MiB, memory limit, less 10% headroom\)"):
+        _fit(model, 4 * MiB)
+
+
+def test_a_missed_verification_moves_the_answer_down(model, fit256, monkeypatch):
+    real = fit_module.verify_context
+    calls = []
+
+    def first_misses(model, device, context, rows, *args):
+        checks = real(model, device, context, rows, *args)
+        calls.append(context)
+        if len(calls) == 1:     # as if the device had held 40 MiB more than the model said
+            checks[0] = Verification(context, rows[0], checks[0].available + 40 * MiB, checks[0].available)
+        return checks
+
+    monkeypatch.setattr(fit_module, "verify_context", first_misses)
+    result = _fit(model, 256 * MiB)
+    # (Compared with this fit's own first verification: separate fits may land a step apart, CPU peaks are noisy.)
+    assert len(calls) == 2 and result.context < calls[0] and result.verifications[-1].fits
+    assert result.verifications[0].context == calls[0] and not result.verifications[0].fits
+
+
+@pytest.fixture
+def no_cpu_limit():
+    yield
+    set_device_memory_limit("cpu", None)
+
+
+def test_plan_command_prints_a_parsable_plan(tiny_checkpoint, capsys, no_cpu_limit):
+    from qwen4exp.plan_cli import main
+
+    assert main(["--model", str(tiny_checkpoint), "--device", "cpu", "--device-memory-limit", "256MiB",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["device_memory_limit"] == 256 * MiB and doc["snapshots"] == "device"
+    assert doc["context"] % STEP == 0 and doc["context"] == doc["plan"]["context"]
+    assert doc["plan"]["devices"][0]["capacity"] == 256 * MiB
+    assert doc["plan"]["probes"] and doc["verifications"][0]["fits"]
+    assert device_memory_limit("cpu") == 256 * MiB
+
+
+def test_plan_command_checks_a_given_context(tiny_checkpoint, capsys, no_cpu_limit):
+    from qwen4exp.plan_cli import main
+
+    assert main(["--model", str(tiny_checkpoint), "--device", "cpu", "--device-memory-limit", "256MiB",
+                 "--max-ctx", "8192", "--no-verify"]) == 0
+    out = capsys.readouterr().out
+    assert "serving: context 8192" in out and "chunk workspace" in out and "not verified" in out
+    with pytest.raises(SystemExit, match="context 65536 is the floor and still does not fit"):
+        main(["--model", str(tiny_checkpoint), "--device", "cpu", "--device-memory-limit", "256MiB",
+              "--max-ctx", "65536", "--no-verify"])
+    with pytest.raises(SystemExit, match="--device-memory-limit: unknown size unit 'xb'"):
+        main(["--model", str(tiny_checkpoint), "--device", "cpu", "--device-memory-limit", "12XB"])
