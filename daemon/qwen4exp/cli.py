@@ -5,33 +5,25 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 PRESET_MODELS = ("tiny", "bench", "full")
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("QWEN4EXP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qwen4exp")
-    return Path(root)
+EMBEDDED_MODEL = Path(__file__).parent / "assets" / "tiny_model"
 
 
 def resolve_model(name: str) -> Path:
-    """A checkpoint directory, or the name of a preset: `tiny` is written (random weights, seed 0) into the
-    cache on first use so that a fresh machine can run without downloading anything."""
+    """A checkpoint directory, or `tiny`: the embedded default, a small qwen4_exp trained on a public-domain
+    text that ships inside the package (see assets/tiny_model/README.md)."""
     path = Path(name)
     if path.is_dir():
         return path
-    if name == "tiny":
-        from .checkpoint.writer import write_random_checkpoint
-        target = _cache_dir() / "checkpoints" / "tiny-seed0"
-        if not (target / "config.json").exists():
-            print(f"writing the tiny random-weight checkpoint to {target}", file=sys.stderr)
-            write_random_checkpoint(target, preset="tiny", seed=0, progress=False)
-        return target
+    if name == "tiny" and (EMBEDDED_MODEL / "config.json").exists():
+        return EMBEDDED_MODEL
     raise SystemExit(f"error: --model {name!r} is neither a checkpoint directory nor 'tiny' "
-                     f"(write bench/full checkpoints with `qwen4exp init-checkpoint`)")
+                     f"(write random-weight checkpoints with `qwen4exp init-checkpoint --preset tiny|bench|full`)")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -223,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline from a checkpoint")
-    gen.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (default)")
+    gen.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (the embedded model, default)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
