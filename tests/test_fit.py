@@ -169,3 +169,15 @@ def test_plan_command_checks_a_given_context(tiny_checkpoint, capsys, no_cpu_lim
               "--max-ctx", "65536", "--no-verify"])
     with pytest.raises(SystemExit, match="--device-memory-limit: unknown size unit 'xb'"):
         main(["--model", str(tiny_checkpoint), "--device", "cpu", "--device-memory-limit", "12XB"])
+
+
+def test_plan_takes_its_settings_from_a_profile(tmp_path, capsys, no_cpu_limit):
+    from qwen4exp.plan_cli import main
+
+    profile = tmp_path / "box.toml"
+    profile.write_text('model = "tiny"\nslots = 2\nmax_ctx = "auto"\ndevice_memory_limit = "256MiB"\n'
+                       '[[devices]]\nname = "cpu"\nrole = "target"\n')
+    assert main(["--profile", str(profile), "--slots", "3", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["device_memory_limit"] == 256 * MiB          # from the profile
+    assert doc["slots"] == 3                                 # the flag wins over the profile

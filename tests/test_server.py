@@ -162,5 +162,8 @@ def test_killed_worker_fails_in_flight_and_comes_back(server):
 def test_metrics_and_openapi(server):
     status, text, _ = server.request("GET", "/metrics", key=None)
     assert status == 200 and "qwen4exp_up 1" in text and "qwen4exp_prefix_cache_hits_total" in text
+    generated = [line for line in text.splitlines() if line.startswith("qwen4exp_generated_tokens_total ")]
+    assert generated and int(generated[0].split()[1]) > 0
+    assert "qwen4exp_worker_resident_bytes" in text
     status, doc, _ = server.request("GET", "/openapi.json", key=None)
     assert doc["openapi"].startswith("3.") and "/v1/chat/completions" in doc["paths"]

@@ -12,16 +12,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     plan = subparsers.add_parser(
         "plan", help="measure the model on the device and print the memory plan (fitted context, budget, "
                      "probes) without serving")
-    plan.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (default)")
-    plan.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    plan.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+    plan.add_argument("--profile", default=None,
+                      help="take model, device, dtype, slots, max_ctx, memory limit and snapshots from a profile; "
+                           "the flags below override it")
+    plan.add_argument("--model", default=None, help="checkpoint directory, or 'tiny' (default)")
+    plan.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default)")
+    plan.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
                       help="weights and caches dtype (auto: bfloat16 on cuda, float32 on cpu)")
-    plan.add_argument("--slots", type=int, default=4, help="slots, each at the full context")
-    plan.add_argument("--max-ctx", default="auto",
+    plan.add_argument("--slots", type=int, default=None, help="slots, each at the full context (default 4)")
+    plan.add_argument("--max-ctx", default=None,
                       help="'auto' fits the context; a number is checked against the budget instead")
     plan.add_argument("--device-memory-limit", default=None, metavar="SIZE",
                       help="cap this process's memory on the device, e.g. 32GiB, 512MiB, 1.5GB or bytes")
-    plan.add_argument("--snapshots", choices=["auto", "host", "device"], default="auto",
+    plan.add_argument("--snapshots", choices=["auto", "host", "device"], default=None,
                       help="where prefix snapshots live (auto: on the device for cpu and integrated GPUs, "
                            "else in host memory); on the device one full snapshot per slot is reserved")
     plan.add_argument("--headroom", type=float, default=0.1, help="fraction of capacity kept free (0.1)")
@@ -58,12 +61,34 @@ def _snapshots_on_device(choice: str, device) -> bool:
     return bool(getattr(torch.cuda.get_device_properties(device), "is_integrated", False))
 
 
+def _fill_from_profile(args: argparse.Namespace) -> None:
+    """Flags given on the command line win; the rest come from --profile, else the defaults."""
+    values = {"model": "tiny", "device": "auto", "dtype": "auto", "slots": 4, "max_ctx": "auto",
+              "snapshots": "auto", "device_memory_limit": None}
+    if args.profile is not None:
+        from .config import ConfigError, load_settings
+        try:
+            settings = load_settings(args.profile)
+        except ConfigError as err:
+            raise SystemExit(f"error: {err}") from None
+        target, keeper = settings.target, settings.snapshot_device
+        limit = settings.memory_limit_for(target)
+        values.update(model=settings.model, device=target.name, dtype=settings.dtype, slots=settings.slots,
+                      max_ctx=str(settings.max_ctx), device_memory_limit=None if limit is None else str(limit),
+                      snapshots="auto" if keeper is None else ("host" if keeper.name == "cpu" and
+                                                               target.name != "cpu" else "device"))
+    for key, value in values.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from .cli import resolve_model
     from .engine.fit import FitError, fit_context, resolve_max_ctx
     from .engine.loading import load_model, resolve_device
     from .engine.memory import as_device, set_device_memory_limit
 
+    _fill_from_profile(args)
     try:
         limit = parse_limit(args.device_memory_limit)
         device = as_device(resolve_device(args.device))

@@ -167,7 +167,7 @@ class Settings(BaseSettings):
     chunk: Tokens = _field("auto", "'auto' or a multiple of 4",
                            "Prompt tokens per prefill forward; `auto`: 512 on a GPU target, 64 on the CPU.")
     device_memory_limit: OptionalSize = _field(
-        None, "a size like '120GiB', or 'none'", "Cap on what qwen4exp allocates on each GPU it uses.")
+        None, "a size like '120GiB', or 'none'", "Cap on what qwen4exp allocates on each device it uses.")
     park_after_idle: Seconds = _field(None, "seconds, a duration like '30m', or 'never'",
                                       "Park (free the GPUs) after this long without requests.")
     # Off by default: an operator's /park (to lend the GPU) must not be undone by the next client.
@@ -245,7 +245,8 @@ class Settings(BaseSettings):
         return self._profile
 
     def memory_limit_for(self, device: Device) -> int | None:
-        """A device's own limit, else `device_memory_limit` for a GPU (the CPU has no allocator cap to set)."""
+        """A device's own limit, else `device_memory_limit` (on the CPU it is the capacity the context is
+        fitted to, since there is no allocator cap to set)."""
         if device.memory_limit is not None:
             return device.memory_limit
-        return self.device_memory_limit if device.kind != "cpu" else None
+        return self.device_memory_limit

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 
-def _line(name: str, value, help_text: str, kind: str = "gauge", labels: str = "") -> str:
-    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n{name}{labels} {value}\n"
+def _line(name: str, value, help_text: str, kind: str = "gauge") -> str:
+    return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n{name} {value}\n"
 
 
 def render_metrics(supervisor, stats: dict) -> str:
@@ -16,6 +16,23 @@ def render_metrics(supervisor, stats: dict) -> str:
         _line("qwen4exp_requests_in_flight", supervisor.in_flight, "requests sent to the engine, not finished"),
         _line("qwen4exp_context_tokens", supervisor.fitted_context or 0, "the context each slot serves"),
     ]
+    c = supervisor.counters
+    out += [
+        _line("qwen4exp_requests_total", c["requests"], "requests finished by the engine", "counter"),
+        _line("qwen4exp_generated_tokens_total", c["generated_tokens"],
+              "tokens generated (rate() of this is the aggregate tokens/s)", "counter"),
+        _line("qwen4exp_prompt_tokens_total", c["prompt_tokens"], "prompt tokens of finished requests", "counter"),
+        _line("qwen4exp_cached_prompt_tokens_total", c["cached_prompt_tokens"],
+              "prompt tokens restored from prefix snapshots instead of prefilled", "counter"),
+    ]
+    memory = stats.get("memory") or {}
+    if "rss_bytes" in memory:
+        out.append(_line("qwen4exp_worker_resident_bytes", memory["rss_bytes"], "engine worker resident memory"))
+    gpus = memory.get("gpu_bytes") or {}
+    if gpus:
+        out.append("# HELP qwen4exp_gpu_allocated_bytes GPU memory allocated by the engine\n"
+                   "# TYPE qwen4exp_gpu_allocated_bytes gauge\n")
+        out += [f'qwen4exp_gpu_allocated_bytes{{gpu="{gpu}"}} {used}\n' for gpu, used in gpus.items()]
     if stats.get("slots") is not None:
         out.append(_line("qwen4exp_slots", stats["slots"], "engine slots"))
         out.append(_line("qwen4exp_busy_slots", stats["busy_slots"], "slots serving a request"))

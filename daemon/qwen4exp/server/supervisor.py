@@ -41,6 +41,7 @@ class Supervisor:
         self.fitted_context: int | None = None
         self.restarts = 0
         self.last_activity = time.monotonic()
+        self.counters = {"generated_tokens": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "requests": 0}
         self._ctx = multiprocessing.get_context("spawn")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, Stream] = {}
@@ -112,10 +113,15 @@ class Supervisor:
             if not self._ready.done():
                 self._ready.set_result(None)
         elif kind == "token":
+            self.counters["generated_tokens"] += 1
             stream = self._streams.get(message[1])
             if stream is not None:
                 stream.queue.put_nowait(("token", message[2], message[3]))
         elif kind in ("finish", "rejected"):
+            if kind == "finish":
+                self.counters["requests"] += 1
+                self.counters["prompt_tokens"] += message[2]["prompt_tokens"]
+                self.counters["cached_prompt_tokens"] += message[2]["cached_tokens"]
             stream = self._streams.pop(message[1], None)
             if stream is not None:
                 stream.queue.put_nowait((kind, message[2]))

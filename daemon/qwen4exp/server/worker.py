@@ -130,6 +130,7 @@ class Worker:
                         queued=engine.queued, chunk=engine.chunk)
         if self.cache is not None:
             info["prefix_cache"] = self.cache.stats()
+        info["memory"] = _memory_in_use()
         return info
 
     # ---- the command loop -------------------------------------------------------------------------
@@ -160,6 +161,19 @@ class Worker:
                 break
         if self.engine is not None:
             self.engine.stop()
+
+
+def _memory_in_use() -> dict:
+    """Bytes the engine holds: on each visible GPU (allocated by torch) and the process's resident memory."""
+    import torch
+    out = {}
+    if torch.cuda.is_available():
+        out["gpu_bytes"] = {str(i): torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count())}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                out["rss_bytes"] = int(line.split()[1]) * 1024
+    return out
 
 
 def worker_main(options: dict, conn) -> None:
