@@ -167,3 +167,22 @@ def test_metrics_and_openapi(server):
     assert "qwen4exp_worker_resident_bytes" in text
     status, doc, _ = server.request("GET", "/openapi.json", key=None)
     assert doc["openapi"].startswith("3.") and "/v1/chat/completions" in doc["paths"]
+
+
+def test_past_the_queue_bound_requests_get_429_with_retry_after(server):
+    """2 slots + a queue of 4: of 9 long requests sent at once, those past the bound get 429 (how many depends on
+    when the engine admits the first ones into slots)."""
+    results = []
+
+    def send():
+        results.append(server.request("POST", "/generate", {"prompt_ids": [8] * 20, "max_tokens": 60,
+                                                            "ignore_eos": True}))
+    threads = [threading.Thread(target=send) for _ in range(9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    statuses = sorted(r[0] for r in results)
+    assert len(statuses) == 9 and statuses.count(200) >= 4 and 429 in statuses and set(statuses) <= {200, 429}, statuses
+    refused = next(r for r in results if r[0] == 429)
+    assert refused[2].getheader("Retry-After") and "queue is full" in refused[1]["error"]["message"]
