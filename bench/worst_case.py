@@ -1,0 +1,85 @@
+"""Issue 5's worst case, on any device: fit the context under a memory cap, then run it full.
+
+    python bench/worst_case.py --checkpoint DIR --device cuda --dtype bfloat16 --memory-limit 64GiB --out worst.json
+
+1. `max_ctx = "auto"` with 4 slots under the cap (the fit measures and verifies on this device);
+2. the budget model's verdict at the fitted context + 4096 (it must miss: the fit is tight);
+3. one slot filled to the fitted context with one long prompt beside three short requests;
+4. then all four slots long at once;
+recording the least free device memory seen (CUDA: under the cap, from the allocator) and that nothing failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from qwen4exp.config.sizes import parse_size
+from qwen4exp.engine.engine import Engine
+from qwen4exp.engine.fit import fit_context
+from qwen4exp.engine.loading import load_model, resolve_device
+from qwen4exp.engine.memory import set_device_memory_limit
+from qwen4exp.engine.request import Request
+
+
+def least_free(device: torch.device, limit: int) -> int | None:
+    if device.type != "cuda":
+        return None
+    return limit - torch.cuda.max_memory_allocated(device)
+
+
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    started = time.perf_counter()
+    requests = [engine.submit(Request(prompt_ids=p, max_tokens=max_tokens)) for p in prompts]
+    engine.run_until_idle()
+    return {"seconds": round(time.perf_counter() - started, 2),
+            "prompt_tokens": [len(p) for p in prompts],
+            "finish": [r.finish_reason.value for r in requests],
+            "errors": [r.error for r in requests if r.error]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--memory-limit", required=True, help="the cap, e.g. 32GiB")
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    device, limit = resolve_device(args.device), parse_size(args.memory_limit)
+    set_device_memory_limit(device, limit)
+    model = load_model(args.checkpoint, dtype=args.dtype, device=device, progress=False)
+    fit = fit_context(model, slots=args.slots, device=device, memory_limit=limit,
+                      chunk_floor=-(-args.chunk // 256) * 256, snapshots_on_device=device.type == "cpu")
+    context = fit.context
+    over = fit.planner.evaluate(context + 4096)
+    result = {"device": str(device), "memory_limit": limit, "slots": args.slots, "fitted_context": context,
+              "fit_seconds": round(fit.seconds, 2), "plan": fit.plan.table(),
+              "plus_4096_fits": all(p.fits for p in over),
+              "plus_4096_shortfall": max((p.shortfall for p in over if not p.fits), default=0)}
+    engine = Engine(model, slots=args.slots, context=context, chunk=args.chunk)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    limit_id = model.config.eos_token_id
+    g = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, limit_id, (n,), generator=g).tolist()
+    long_len = context - args.max_tokens
+    result["one_long_three_short"] = run(engine, [prompt(long_len)] + [prompt(64) for _ in range(3)], args.max_tokens)
+    result["all_long"] = run(engine, [prompt(long_len) for _ in range(args.slots)], args.max_tokens)
+    result["least_free_bytes"] = least_free(device, limit)
+    result["no_failures"] = not (result["one_long_three_short"]["errors"] or result["all_long"]["errors"])
+    json.dump(result, open(args.out, "w"), indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k != "plan"}))
+    print(result["plan"])
+
+
+if __name__ == "__main__":
+    main()
