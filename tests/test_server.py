@@ -117,15 +117,21 @@ def test_disconnect_mid_stream_cancels_the_request(server):
     assert props["busy_slots"] == 0
 
 
-def test_park_during_generation_then_unpark(server):
+def _long_request_in_background(server, token: int, max_tokens: int):
+    """Start a long /generate on another thread; its (status, body, response) lands in results["r"]."""
     results = {}
 
-    def long_request():
-        results["r"] = server.request("POST", "/generate", {"prompt_ids": [5] * 30, "max_tokens": 300,
+    def send():
+        results["r"] = server.request("POST", "/generate", {"prompt_ids": [token] * 30, "max_tokens": max_tokens,
                                                             "ignore_eos": True})
-    thread = threading.Thread(target=long_request)
+    thread = threading.Thread(target=send)
     thread.start()
     time.sleep(0.5)
+    return thread, results
+
+
+def test_park_during_generation_then_unpark(server):
+    thread, results = _long_request_in_background(server, token=5, max_tokens=300)
     status, parked, _ = server.request("POST", "/park", {"mode": "abort"}, key=ADMIN_KEY)
     assert status == 200 and parked["parked"] and parked["context"] == CONTEXT
     thread.join(30)
@@ -142,14 +148,7 @@ def test_park_during_generation_then_unpark(server):
 
 
 def test_killed_worker_fails_in_flight_and_comes_back(server):
-    results = {}
-
-    def long_request():
-        results["r"] = server.request("POST", "/generate", {"prompt_ids": [6] * 30, "max_tokens": 400,
-                                                            "ignore_eos": True})
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    time.sleep(0.5)
+    thread, results = _long_request_in_background(server, token=6, max_tokens=400)
     server.supervisor.kill_worker()
     thread.join(30)
     status, body, _ = results["r"]
@@ -186,3 +185,16 @@ def test_past_the_queue_bound_requests_get_429_with_retry_after(server):
     assert len(statuses) == 9 and statuses.count(200) >= 4 and 429 in statuses and set(statuses) <= {200, 429}, statuses
     refused = next(r for r in results if r[0] == 429)
     assert refused[2].getheader("Retry-After") and "queue is full" in refused[1]["error"]["message"]
+
+
+def test_concurrent_stats_calls_all_get_answers(server):
+    """/props and /metrics ask the worker for stats; many at once must each get their own answer."""
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(server.request("GET", "/metrics", key=None)[0]))
+               for _ in range(6)]
+    started = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == [200] * 6 and time.time() - started < 8      # no caller waits out the 10 s timeout

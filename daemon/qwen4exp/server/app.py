@@ -124,10 +124,15 @@ async def park(request: web.Request) -> web.Response:
         raise ApiError(503, f"the engine is {supervisor.state}; it cannot be parked now", "server_error")
     started = time.perf_counter()
     supervisor.state = "parking"          # new requests get 503 from here on
-    if mode == "wait":
-        while supervisor.in_flight:
-            await asyncio.sleep(0.02)
-    info = await supervisor.park()
+    try:
+        if mode == "wait":
+            while supervisor.in_flight:
+                await asyncio.sleep(0.02)
+        info = await supervisor.park()
+    except BaseException:
+        if supervisor.state == "parking":      # the park did not happen: serve again
+            supervisor.state = "ready"
+        raise
     return web.json_response({"parked": True, "mode": mode, "seconds": round(time.perf_counter() - started, 3),
                               "bytes_freed": info["bytes_freed"], "context": info["context"]})
 

@@ -8,6 +8,7 @@ starts at the same fitted context (no new fit).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import multiprocessing
@@ -45,7 +46,8 @@ class Supervisor:
         self._ctx = multiprocessing.get_context("spawn")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, Stream] = {}
-        self._replies: dict[str, asyncio.Future] = {}
+        # The worker answers each kind of call in the order it was asked: one FIFO of waiters per kind.
+        self._replies: dict[str, collections.deque[asyncio.Future]] = collections.defaultdict(collections.deque)
         self._ready: asyncio.Future | None = None
         self._ids = itertools.count(1)
         self._process = self._conn = None
@@ -126,7 +128,8 @@ class Supervisor:
             if stream is not None:
                 stream.queue.put_nowait((kind, message[2]))
         else:   # replies to park / unpark / stats
-            future = self._replies.pop(kind, None)
+            waiters = self._replies.get(kind)
+            future = waiters.popleft() if waiters else None
             if future is not None and not future.done():
                 future.set_result(message[1])
 
@@ -138,7 +141,7 @@ class Supervisor:
         for stream in self._streams.values():
             stream.queue.put_nowait(("rejected", f"{reason}; the request was lost and can be sent again"))
         self._streams.clear()
-        for future in self._replies.values():
+        for future in (f for waiters in self._replies.values() for f in waiters):
             if not future.done():
                 future.set_exception(EngineUnavailable(reason))
         self._replies.clear()
@@ -169,7 +172,7 @@ class Supervisor:
 
     async def _call(self, kind: str, reply: str, timeout: float = 600.0) -> dict:
         future = self._loop.create_future()
-        self._replies[reply] = future
+        self._replies[reply].append(future)
         self._send(kind)
         return await asyncio.wait_for(future, timeout)
 
