@@ -61,6 +61,21 @@ def test_resent_prompt_is_warm_and_equals_cold(model, sampling):
     assert cache.counters.restores == 1 and cache.counters.refused == 0
 
 
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "seeded"])
+def test_prompt_resent_whole_is_restored_whole_and_equals_cold(model, sampling):
+    """A prompt that ends on a restore point comes back with its last logits: no token is run again."""
+    prompt = _prompt(160, seed=7)
+    cold_reference, = _run(_engine(model), Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
+    cache = _cache(model)
+    engine = _engine(model, cache)
+    cold, = _run(engine, Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
+    warm, = _run(engine, Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
+    assert warm.cached_tokens == 160
+    assert warm.output_ids == cold.output_ids == cold_reference.output_ids
+    one_token, = _run(engine, Request(prompt_ids=prompt, max_tokens=1, sampling=sampling))
+    assert one_token.output_ids == cold.output_ids[:1] and one_token.finish_reason.value == "length"
+
+
 def test_extended_prompt_restores_the_shared_prefix_and_equals_cold(model):
     """A multi-turn conversation: the next prompt extends the last one."""
     first = _prompt(70, seed=2)

@@ -3,7 +3,8 @@
 One step reads in three lines: schedule (cancellations, admissions), run (one prompt chunk in its own
 forward, then one decode forward over all N rows), postprocess (sample, stream, finish).
 Exactness: every prompt is cut at multiples of `chunk` from position 0 and each chunk runs alone, and
-decode always runs all N rows (idle rows masked), so a request's numbers never depend on its neighbours.
+decode always runs all N rows at one shape (idle rows masked; a CUDA graph on GPUs), so a request's
+numbers never depend on its neighbours.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from .decode_runner import DecodeRunner
 from .memory import release_cached_blocks, run_with_oom_retry
 from .model.causal_lm import Qwen4ExpForCausalLM, Segment
 from .prefix_cache import PrefixCache
@@ -29,7 +31,7 @@ log = logging.getLogger("qwen4exp.engine")
 class Engine:
     def __init__(self, model: Qwen4ExpForCausalLM, slots: int = 4, context: int = 4096, chunk: int = 512,
                  restore_spacing: int | None = None, queue_limit: int = 64, tokenizer=None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, cuda_graphs: bool = True):
         cfg = model.config
         spacing = restore_spacing or (prefix_cache.spacing if prefix_cache is not None else chunk)
         if not 1 <= slots <= 8:
@@ -51,6 +53,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = model.lm_head.weight.device
         self.pool = SlotPool.allocate(model, slots, context)
+        self.decoder = DecodeRunner(model, self.pool.states, self.device, graph=cuda_graphs)
         self.queue_limit = queue_limit
         self._queue: collections.deque[Request] = collections.deque()
         self._cancelled: set[str] = set()
@@ -177,14 +180,18 @@ class Engine:
         slot.state.reset()
         slot.request = request
         request.slot = slot.index
+        restored_logits = None
         if self.prefix_cache is not None:
-            slot.prefilled = request.cached_tokens = self.prefix_cache.restore_longest(request.prompt_ids, slot.state)
+            slot.prefilled, restored_logits = self.prefix_cache.restore_longest(request.prompt_ids, slot.state)
+            request.cached_tokens = slot.prefilled
         slot.sampler = Sampler(request.sampling, request.prompt_ids)
         if self.tokenizer is not None:
             slot.detokenizer = self.tokenizer.detokenizer()
             if request.stop:
                 slot.stops = StopMatcher(list(request.stop))
         request.started_at = time.perf_counter()
+        if restored_logits is not None:       # the whole prompt was cached: its first token needs no forward
+            self._accept(slot, slot.sampler(restored_logits))
 
     # ---- run --------------------------------------------------------------------------------------
     def _prefill_one_chunk(self) -> None:
@@ -212,17 +219,17 @@ class Engine:
             release_cached_blocks(self.device)   # give back what this chunk's temporaries grew
             slot.prefilled = end
             if self.prefix_cache is not None and end % self.restore_spacing == 0:
-                self._capture(slot, request.prompt_ids[:end])
+                self._capture(slot, request.prompt_ids[:end], logits)
             if end == len(request.prompt_ids):
                 self._accept(slot, slot.sampler(logits))
         except Exception as err:  # noqa: BLE001 - an engine error fails this request only
             log.exception("prefill failed for %s", request.id)
             self._finish(slot, request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
 
-    def _capture(self, slot: Slot, prefix: list[int]) -> None:
+    def _capture(self, slot: Slot, prefix: list[int], logits: torch.Tensor) -> None:
         """Snapshot a restore point. Of this request's earlier captures, keep those at 1, 2, 4, 8... chunks
         (shareable prefixes at every scale) and drop the others, so a long prompt costs O(log n) snapshots."""
-        handle = self.prefix_cache.capture(prefix, slot.state)
+        handle = self.prefix_cache.capture(prefix, slot.state, logits)
         if handle is None:
             return
         if slot.last_capture is not None:
@@ -236,18 +243,19 @@ class Engine:
         active = [s for s in self.pool.slots if s.decoding]
         if not active:
             return
-        tokens = torch.zeros(len(self.pool.slots), dtype=torch.long)
-        states = [None] * len(self.pool.slots)
-        for slot in active:
-            tokens[slot.index] = slot.next_token
-            states[slot.index] = slot.state
+        tokens = [s.next_token if s.decoding else 0 for s in self.pool.slots]
         try:
-            logits = self.model.decode_step(tokens.to(self.device), states)
+            for slot in active:
+                slot.state.check_room(1)
+            logits = self.decoder.step(tokens, [s.state.length for s in self.pool.slots],
+                                       [s.decoding for s in self.pool.slots])
         except Exception as err:  # noqa: BLE001 - the batch failed: fail its requests, keep serving
             log.exception("decode step failed")
             for slot in active:
                 self._finish(slot, slot.request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
             return
+        for slot in active:
+            slot.state.length += 1
         for slot in active:
             try:
                 self._accept(slot, slot.sampler(logits[slot.index]))

@@ -98,6 +98,17 @@ def run_chunk(model: Qwen4ExpForCausalLM, state, rows: int, device: torch.device
     return meter
 
 
+def run_decode(model: Qwen4ExpForCausalLM, states, device: torch.device) -> PeakMeter:
+    """One decode step over every slot at its last position (what the engine's decode graph holds)."""
+    rows = len(states.rows)
+    tokens = torch.ones(rows, dtype=torch.long, device=device)
+    positions = torch.full((rows,), states.capacity - 1, dtype=torch.long, device=device)
+    active = torch.ones(rows, dtype=torch.bool, device=device)
+    with PeakMeter(device) as meter:
+        model.decode_rows(tokens, positions, active, states, model.rope_table(states.capacity, device))
+    return meter
+
+
 def warm_up(model: Qwen4ExpForCausalLM, device: torch.device, rows: int) -> None:
     """One chunk before any measurement: a process's first forward also pays for lazy set-up (thread
     pools, kernels' scratch), ~18 MiB more than later ones on the tiny model on the CPU. It ends past
@@ -121,22 +132,26 @@ def measure_workspace(model: Qwen4ExpForCausalLM, device: torch.device, position
 
 def verify_context(model: Qwen4ExpForCausalLM, device: torch.device, context: int, rows: list[int], slots: int,
                    snapshots: bool, weights: int, available: int) -> list[Verification]:
-    """Allocate every slot (and one full snapshot per slot when they live here) at `context`, run each
-    chunk of `rows` at the last position of the first slot, and compare what each took with `available`.
+    """Allocate every slot as the engine does (and one full snapshot per slot when they live here) at
+    `context`, run one decode step over all slots and each chunk of `rows` at the last position of the
+    first slot, and compare what each chunk (or the decode step, if larger) took with `available`.
     Out of memory (under a CUDA cap) is a miss whose size is unknown, and ends the checks."""
     release_cached_blocks(device)
     held: list = []
     checks: list[Verification] = []
     try:
-        states = 0
-        for _ in range(slots * (2 if snapshots else 1)):
+        batch, states = _allocated(device, lambda: model.new_state_batch(slots, context, device))
+        held.append(batch)
+        for _ in range(slots if snapshots else 0):
             state, size = _allocated(device, lambda: model.new_state(context, device))
             held.append(state)
             states += size
+        decode = run_decode(model, batch, device)
         for n in rows:
-            meter = run_chunk(model, held[0], n, device)
+            meter = run_chunk(model, batch.rows[0], n, device)
             # CUDA: the allocator's whole reserved peak is what its cap compares against.
-            needed = meter.peak_total if device.type == "cuda" else weights + states + meter.peak
+            needed = max(meter.peak_total, decode.peak_total) if device.type == "cuda" else \
+                weights + states + max(meter.peak, decode.peak)
             checks.append(Verification(context, n, needed, available))
     except Exception as err:
         if not is_out_of_memory(err):

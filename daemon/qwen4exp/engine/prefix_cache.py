@@ -23,10 +23,14 @@ from .state import SequenceState
 log = logging.getLogger("qwen4exp.prefix_cache")
 
 
+def _device_of(state: SequenceState) -> torch.device:
+    return next(iter(vars(state.layers[0]).values())).device
+
+
 def _wait_for_copies(state: SequenceState) -> None:
     """Finish the restore's copies before the snapshot is unpinned (and may be evicted), and so that the
     restore time is measured, not just queued."""
-    device = next(iter(vars(state.layers[0]).values())).device
+    device = _device_of(state)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
@@ -68,17 +72,20 @@ class PrefixCache:
         self._handles = itertools.count(1)
         self._lock = threading.Lock()
 
-    def restore_longest(self, prompt_ids: list[int], state: SequenceState) -> int:
-        """Restore the longest cached prefix that leaves at least one prompt token to run (its logits give
-        the first output token). Returns the restored length (0 on a miss)."""
+    def restore_longest(self, prompt_ids: list[int], state: SequenceState) -> tuple[int, torch.Tensor | None]:
+        """Restore the longest cached prefix of the prompt. Returns (restored length, 0 on a miss; the last
+        prompt token's logits on the state's device when the whole prompt was restored, else None)."""
         started = time.perf_counter()
+        logits = None
         with self._lock:
-            entry = self.store.match(array("I", prompt_ids[:len(prompt_ids) - 1]), pin=True)
+            entry = self.store.match(array("I", prompt_ids), pin=True)
             if entry is None:
-                return 0
+                return 0, None
             snapshot = self._snapshots[entry.handle]
         try:
             snapshot.restore(state, self.ratio)
+            if snapshot.length == len(prompt_ids):
+                logits = snapshot.logits.to(_device_of(state), non_blocking=True)
             _wait_for_copies(state)
         finally:
             with self._lock:
@@ -87,11 +94,11 @@ class PrefixCache:
         c.restores += 1
         c.restored_tokens += snapshot.length
         c.restore_seconds += time.perf_counter() - started
-        return snapshot.length
+        return snapshot.length, logits
 
-    def capture(self, prefix_ids: list[int], state: SequenceState) -> int | None:
-        """Snapshot `state` (at a restore point, holding exactly `prefix_ids`). Returns its handle, or None
-        when the store refused it or already holds that prefix."""
+    def capture(self, prefix_ids: list[int], state: SequenceState, logits: torch.Tensor) -> int | None:
+        """Snapshot `state` (at a restore point, holding exactly `prefix_ids`) with its last token's logits.
+        Returns its handle, or None when the store refused it or already holds that prefix."""
         if state.length != len(prefix_ids) or state.length % self.spacing or state.length == 0:
             return None
         tokens = array("I", prefix_ids)
@@ -99,7 +106,7 @@ class PrefixCache:
         with self._lock:
             if key in self._keys.values():      # already stored (or a hash twin: skipping is harmless)
                 return None
-        snapshot = Snapshot.capture(state, self.ratio, self.backend)
+        snapshot = Snapshot.capture(state, self.ratio, self.backend, logits)
         handle = next(self._handles)
         self.counters.captures += 1
         with self._lock:

@@ -1,4 +1,5 @@
-"""The engine's N slots: one full-context SequenceState each, allocated once and reused."""
+"""The engine's N slots: one full-context sequence each, allocated once as the rows of one StateBatch
+(so the decode step reads every slot at fixed shapes) and reused."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .request import Request
 from .sampling import Sampler
-from .state import SequenceState
+from .state import SequenceState, StateBatch
 
 
 @dataclass
@@ -40,12 +41,14 @@ class Slot:
 
 @dataclass
 class SlotPool:
+    states: StateBatch
     slots: list[Slot] = field(default_factory=list)
 
     @classmethod
     def allocate(cls, model: Qwen4ExpForCausalLM, count: int, context: int,
                  device: torch.device | None = None) -> "SlotPool":
-        return cls([Slot(i, model.new_state(context, device)) for i in range(count)])
+        states = model.new_state_batch(count, context, device)
+        return cls(states, [Slot(i, row) for i, row in enumerate(states.rows)])
 
     def free(self) -> list[Slot]:
         return [s for s in self.slots if not s.busy]

@@ -1,7 +1,8 @@
 """Prefix snapshots: a sequence's state at a restore point, copied out of its slot and back into any slot.
 
 Prefix-sized, not context-sized: for a P-token prefix, the K/V, raw indexer-key and block-key strips of the
-first P positions, plus the whole recurrent, conv, PLE-conv and n-gram state. One flat buffer per snapshot
+first P positions, plus the whole recurrent, conv, PLE-conv and n-gram state, and the logits of the prefix's
+last token (so a prompt resent whole needs no forward at all). One flat buffer per snapshot
 (pinned host memory beside a discrete GPU, device memory on a unified-memory GPU, plain memory on CPU),
 carved into views, so a capture or a restore is one copy per tensor and one allocation.
 """
@@ -51,21 +52,23 @@ class SnapshotBackend:
 
 
 class Snapshot:
-    def __init__(self, buffer: torch.Tensor, views: list[torch.Tensor], length: int, tier: str):
-        self.buffer, self.views, self.length, self.tier = buffer, views, length, tier
+    def __init__(self, buffer: torch.Tensor, views: list[torch.Tensor], length: int, tier: str,
+                 logits: torch.Tensor | None = None):
+        self.buffer, self.views, self.length, self.tier, self.logits = buffer, views, length, tier, logits
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
 
     @classmethod
-    def capture(cls, state: SequenceState, ratio: int, backend: SnapshotBackend) -> "Snapshot":
-        """Copy the state at its current length. The copies are queued on the current stream, so later
-        work on the slot cannot overtake them."""
+    def capture(cls, state: SequenceState, ratio: int, backend: SnapshotBackend,
+                logits: torch.Tensor | None = None) -> "Snapshot":
+        """Copy the state at its current length (and the last token's logits [V], when given). The copies
+        are queued on the current stream, so later work on the slot cannot overtake them."""
         length = state.length
         if length % ratio:
             raise ValueError(f"a snapshot needs a length that is a multiple of {ratio}, got {length}")
-        pieces = _pieces(state, length, ratio)
+        pieces = _pieces(state, length, ratio) + ([logits] if logits is not None else [])
         offsets, total = [], 0
         for piece in pieces:
             offsets.append(total)
@@ -77,6 +80,8 @@ class Snapshot:
             view = buffer[offset:offset + nbytes].view(piece.dtype).view(piece.shape)
             view.copy_(piece, non_blocking=True)
             views.append(view)
+        if logits is not None:
+            return cls(buffer, views[:-1], length, backend.tier, logits=views[-1])
         return cls(buffer, views, length, backend.tier)
 
     def restore(self, state: SequenceState, ratio: int) -> None:

@@ -40,46 +40,62 @@ class PLEState:
     context_ids: torch.Tensor
 
 
+def _allocate(cfg: ModelConfig, capacity: int, device, dtype: torch.dtype, extra_attention_layers: int,
+              rows: tuple[int, ...]):
+    """Every state tensor of a sequence, with `rows` leading dimensions (() for one sequence, (N,) for a
+    batch of N sequences stored side by side)."""
+    ratio = cfg.indexer_compress_ratio
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
+        cfg.linear_num_value_heads * cfg.linear_value_head_dim
+
+    def zeros(*shape, dtype=dtype):
+        return torch.zeros(*rows, *shape, device=device, dtype=dtype)
+
+    def attention() -> AttentionState:
+        return AttentionState(
+            keys=zeros(cfg.num_key_value_heads, capacity, cfg.head_dim),
+            values=zeros(cfg.num_key_value_heads, capacity, cfg.head_dim),
+            index_keys=zeros(capacity, cfg.indexer_head_dim),
+            block_keys=zeros(-(-capacity // ratio), cfg.indexer_head_dim),
+        )
+
+    layers: list[AttentionState | DeltaNetState] = []
+    ple: dict[int, PLEState] = {}
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_qsa(i):
+            layers.append(attention())
+        else:
+            layers.append(DeltaNetState(
+                conv=zeros(conv_dim, cfg.linear_conv_kernel_dim - 1),
+                recurrent=zeros(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                dtype=torch.float32),
+            ))
+        if i + 1 in cfg.ple_layer_ids:
+            ple[i] = PLEState(
+                conv=zeros(cfg.hc_count * cfg.hidden_size, cfg.ple_conv_state_len),
+                context_ids=torch.full((*rows, cfg.ngram_size - 1), cfg.eos_token_id, device=device,
+                                       dtype=torch.long),
+            )
+    # Attention layers outside the main stack (the MTP head) keep their caches here.
+    extra = [attention() for _ in range(extra_attention_layers)]
+    return layers, ple, extra
+
+
+def _row(part, index: int):
+    """The same state dataclass over row `index` of a batched one (views: writes land in the batch)."""
+    return type(part)(**{name: tensor[index] for name, tensor in vars(part).items()})
+
+
 class SequenceState:
     def __init__(self, cfg: ModelConfig, capacity: int, device: torch.device | str, dtype: torch.dtype,
-                 extra_attention_layers: int = 0):
-        ratio = cfg.indexer_compress_ratio
+                 extra_attention_layers: int = 0, _parts=None):
         if capacity <= 0:
             raise CapacityError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.length = 0
         self._eos = cfg.eos_token_id
-        self.layers: list[AttentionState | DeltaNetState] = []
-        self.ple: dict[int, PLEState] = {}
-        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
-            cfg.linear_num_value_heads * cfg.linear_value_head_dim
-
-        def attention() -> AttentionState:
-            return AttentionState(
-                keys=torch.zeros(cfg.num_key_value_heads, capacity, cfg.head_dim, device=device, dtype=dtype),
-                values=torch.zeros(cfg.num_key_value_heads, capacity, cfg.head_dim, device=device, dtype=dtype),
-                index_keys=torch.zeros(capacity, cfg.indexer_head_dim, device=device, dtype=dtype),
-                block_keys=torch.zeros(-(-capacity // ratio), cfg.indexer_head_dim, device=device, dtype=dtype),
-            )
-
-        for i in range(cfg.num_hidden_layers):
-            if cfg.is_qsa(i):
-                self.layers.append(attention())
-            else:
-                self.layers.append(DeltaNetState(
-                    conv=torch.zeros(conv_dim, cfg.linear_conv_kernel_dim - 1, device=device, dtype=dtype),
-                    recurrent=torch.zeros(cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                          cfg.linear_value_head_dim, device=device, dtype=torch.float32),
-                ))
-            if i + 1 in cfg.ple_layer_ids:
-                self.ple[i] = PLEState(
-                    conv=torch.zeros(cfg.hc_count * cfg.hidden_size, cfg.ple_conv_state_len, device=device,
-                                     dtype=dtype),
-                    context_ids=torch.full((cfg.ngram_size - 1,), cfg.eos_token_id, device=device,
-                                           dtype=torch.long),
-                )
-        # Attention layers outside the main stack (the MTP head) keep their caches here.
-        self.extra = [attention() for _ in range(extra_attention_layers)]
+        self.layers, self.ple, self.extra = _parts or _allocate(cfg, capacity, device, dtype,
+                                                                extra_attention_layers, ())
 
     def reset(self) -> None:
         """Empty the sequence for reuse. K/V and indexer keys past `length` are never read, so only the
@@ -113,3 +129,27 @@ class SequenceState:
         for ple in self.ple.values():
             tensors += [ple.conv, ple.context_ids]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class StateBatch:
+    """N sequences' states stored side by side (each tensor has a leading row dimension), so one decode
+    step can read and write every row at fixed shapes (and be captured in a CUDA graph). `rows[i]` is row
+    i as a SequenceState of views: prefill, snapshots and resets work on it as on a lone sequence."""
+
+    def __init__(self, cfg: ModelConfig, count: int, capacity: int, device: torch.device | str,
+                 dtype: torch.dtype, extra_attention_layers: int = 0):
+        if count <= 0:
+            raise ValueError(f"a state batch needs at least one row, got {count}")
+        self.capacity = capacity
+        self.layers, self.ple, self.extra = _allocate(cfg, capacity, device, dtype, extra_attention_layers,
+                                                      (count,))
+        self.rows = [
+            SequenceState(cfg, capacity, device, dtype, _parts=(
+                [_row(layer, i) for layer in self.layers],
+                {index: _row(p, i) for index, p in self.ple.items()},
+                [_row(layer, i) for layer in self.extra]))
+            for i in range(count)
+        ]
+
+    def nbytes(self) -> int:
+        return sum(row.nbytes() for row in self.rows)

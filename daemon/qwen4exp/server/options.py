@@ -18,6 +18,7 @@ class EngineOptions:
     prefix_cache_limit: int | str = 1 << 30  # bytes, or "auto" (decided at start from free memory)
     device_memory_limit: int | None = None
     queue_limit: int = 64
+    cuda_graphs: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)

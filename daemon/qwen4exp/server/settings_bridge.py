@@ -21,6 +21,7 @@ def engine_options(settings, resolve_model) -> EngineOptions:
         prefix_cache_limit=cache.resident_limit,
         device_memory_limit=settings.memory_limit_for(target),
         queue_limit=settings.server.queue_limit,
+        cuda_graphs=settings.cuda_graphs,
     )
 
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..state import SequenceState
+from ..state import SequenceState, StateBatch
 from .config import ModelConfig
-from .decoder import DecoderLayer, SegmentView, hyper_connection
+from .decoder import DecodeRows, DecoderLayer, SegmentView, hyper_connection
 from .mtp import MTPHead
 from .rope import Rotary
 
@@ -76,32 +76,41 @@ class Qwen4ExpForCausalLM(nn.Module):
             cos, sin = self.rope(start + n, seg.token_ids.device)
             views.append(SegmentView(slice(row, row + n), seg.token_ids, start, seg.state, cos, sin))
             row += n
-        hidden = self._run(torch.cat([s.token_ids for s in segments]), views, fixed_rows=False)
+        hidden = self._run(torch.cat([s.token_ids for s in segments]), views)
         if all_logits:
             return [self.lm_head(hidden[v.rows]) for v in views]
         last = torch.stack([hidden[v.rows.stop - 1] for v in views])
         return list(self.lm_head(last))
 
-    @torch.inference_mode()
-    def decode_step(self, token_ids: torch.Tensor, states: list[SequenceState | None]) -> torch.Tensor:
-        """One decode step at a fixed batch shape: row i carries the next token of states[i], or is idle
-        (None: its token is ignored and no state is touched). Returns logits [rows, V]. With the shape
-        fixed, a row's logits depend only on its own sequence, not on which other rows are busy."""
-        if token_ids.shape != (len(states),):
-            raise ValueError(f"decode_step needs one token per row: {tuple(token_ids.shape)} for {len(states)} rows")
-        views = []
-        for row, state in enumerate(states):
-            if state is None:
-                continue
-            state.check_room(1)
-            cos, sin = self.rope(state.length + 1, token_ids.device)
-            views.append(SegmentView(slice(row, row + 1), token_ids[row:row + 1], state.length, state, cos, sin))
-        return self.lm_head(self._run(token_ids, views, fixed_rows=True))
+    def new_state_batch(self, count: int, capacity: int, device: torch.device | str | None = None) -> StateBatch:
+        param = self.lm_head.weight
+        return StateBatch(self.config, count, capacity, device or param.device, param.dtype,
+                          extra_attention_layers=1 if self.mtp is not None else 0)
 
-    def _run(self, ids: torch.Tensor, views: list[SegmentView], fixed_rows: bool) -> torch.Tensor:
+    def rope_table(self, capacity: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions 0..capacity-1 as a table of its own (a captured decode graph keeps it)."""
+        return self.rotary.cos_sin(torch.arange(capacity, device=device), self.lm_head.weight.dtype)
+
+    @torch.inference_mode()
+    def decode_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor,
+                    states: StateBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """One decode step over every row of `states` at fixed shapes, with no host synchronisation: row i
+        takes token_ids[i] at positions[i]; rows not `active` leave their state as it was (their K/V and
+        indexer writes land at their own length, which is never read before it is written again).
+        Returns logits [N, V]; a row's logits depend only on its own sequence. Lengths are the caller's
+        to advance. Captured once per engine as a CUDA graph on GPUs."""
+        positions = positions.clamp(0, states.capacity - 1)
+        step = DecodeRows(token_ids, positions, active, rope[0], rope[1], states)
+        streams = self.model.embed_tokens(token_ids).repeat(1, self.config.hc_count)
+        for layer in self.model.layers:
+            streams = layer.decode_rows(streams, step)
+        hidden, _ = self.model.hyper_connection_mixer.mix(streams)
+        return self.lm_head(hidden)
+
+    def _run(self, ids: torch.Tensor, views: list[SegmentView]) -> torch.Tensor:
         streams = self.model.embed_tokens(ids).repeat(1, self.config.hc_count)
         for layer in self.model.layers:
-            streams = layer(streams, views, fixed_rows)
+            streams = layer(streams, views)
         hidden, _ = self.model.hyper_connection_mixer.mix(streams)
         for view in views:
             view.state.length += view.token_ids.numel()

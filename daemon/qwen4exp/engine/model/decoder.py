@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..state import SequenceState
+from ..state import SequenceState, StateBatch
 from .config import ModelConfig
 from .gated_deltanet import GatedDeltaNet
 from .hyper import GatedResidual
@@ -26,6 +26,17 @@ class SegmentView:
     state: SequenceState
     cos: torch.Tensor   # positions 0..start+n-1
     sin: torch.Tensor
+
+
+@dataclass
+class DecodeRows:
+    """One decode step over all N rows of a StateBatch at fixed shapes (a CUDA graph replays it)."""
+    token_ids: torch.Tensor   # [N]
+    positions: torch.Tensor   # [N], where each row's token goes (its length)
+    active: torch.Tensor      # [N] bool; inactive rows compute but keep their state
+    cos: torch.Tensor         # rope tables over the whole capacity
+    sin: torch.Tensor
+    states: StateBatch
 
 
 def moe_block(cfg: ModelConfig) -> SparseMoeBlock:
@@ -50,9 +61,8 @@ class DecoderLayer(nn.Module):
         self.attn_hyper_connection = hyper_connection(cfg)
         self.mlp_hyper_connection = hyper_connection(cfg)
 
-    def forward(self, streams: torch.Tensor, segments: list[SegmentView], fixed_rows: bool = False) -> torch.Tensor:
-        """Rows not covered by a segment (idle decode slots) get no token-mixer or PLE output.
-        fixed_rows: compute the MoE so that a row's result cannot depend on the other rows' routing."""
+    def forward(self, streams: torch.Tensor, segments: list[SegmentView]) -> torch.Tensor:
+        """Packed rows of several sequences; token mixing and PLE run per sequence over its own state."""
         if self.ple is not None:
             term = torch.zeros_like(streams)
             for s in segments:
@@ -68,4 +78,19 @@ class DecoderLayer(nn.Module):
                 mixer_out[s.rows] = self.linear_attn(mixed[s.rows], state)
         streams = GatedResidual.inject(streams, mixer_out, gates)
         mixed, gates = self.mlp_hyper_connection.mix(streams)
-        return GatedResidual.inject(streams, self.mlp(mixed, fixed_rows), gates)
+        return GatedResidual.inject(streams, self.mlp(mixed), gates)
+
+    def decode_rows(self, streams: torch.Tensor, step: DecodeRows) -> torch.Tensor:
+        """The same layer for one token per row; every row's numbers depend on that row alone."""
+        if self.ple is not None:
+            term = self.ple.decode_rows(streams, step.token_ids, step.states.ple[self.index], step.active)
+            streams = streams + term
+        mixed, gates = self.attn_hyper_connection.mix(streams)
+        state = step.states.layers[self.index]
+        if hasattr(self, "self_attn"):
+            out = self.self_attn.decode_rows(mixed, step.positions, step.cos, step.sin, state, step.active)
+        else:
+            out = self.linear_attn.decode_rows(mixed, state, step.active)
+        streams = GatedResidual.inject(streams, out, gates)
+        mixed, gates = self.mlp_hyper_connection.mix(streams)
+        return GatedResidual.inject(streams, self.mlp(mixed, fixed_rows=True, active=step.active), gates)

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..state import DeltaNetState
 from .config import ModelConfig
-from .gdn_ops import gated_delta_rule
+from .gdn_ops import gated_delta_rule, gated_delta_rule_rows
 from .norms import GatedRMSNorm
 
 
@@ -42,6 +42,25 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         core = gated_delta_rule(q, k, v, g, beta, state.recurrent)
+        z = self.in_proj_z(x).reshape(n * self.v_heads, self.dv)
+        core = self.norm(core.reshape(n * self.v_heads, self.dv), z)
+        return self.out_proj(core.reshape(n, self.value_dim))
+
+    def decode_rows(self, x: torch.Tensor, state: DeltaNetState, active: torch.Tensor) -> torch.Tensor:
+        """One token for each of N sequences: x [N, H], state batched (conv [N, C, K-1], recurrent
+        [N, Hv, dk, dv]); only rows with `active` advance their state."""
+        n = x.shape[0]
+        window = torch.cat((state.conv, self.in_proj_qkv(x)[:, :, None]), dim=-1)
+        conv = (window.float() * self.conv1d.weight[:, 0].float()).sum(-1)
+        mixed = F.silu(conv.to(x.dtype))
+        state.conv.copy_(torch.where(active[:, None, None], window[:, :, 1:], state.conv))
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(n, self.k_heads, self.dk), k.reshape(n, self.k_heads, self.dk)
+        v = v.reshape(n, self.v_heads, self.dv)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        core, advanced = gated_delta_rule_rows(q, k, v, g, beta, state.recurrent)
+        state.recurrent.copy_(torch.where(active[:, None, None, None], advanced, state.recurrent))
         z = self.in_proj_z(x).reshape(n * self.v_heads, self.dv)
         core = self.norm(core.reshape(n * self.v_heads, self.dv), z)
         return self.out_proj(core.reshape(n, self.value_dim))

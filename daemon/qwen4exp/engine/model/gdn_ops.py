@@ -109,11 +109,28 @@ def gated_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
 
 
 def _fla_gated_delta_rule(q, k, v, g, beta, state):
-    groups = v.shape[1] // k.shape[1]
-    if groups > 1:
-        q, k = q.repeat_interleave(groups, dim=1), k.repeat_interleave(groups, dim=1)
+    # fla maps value head h to key head h // (Hv / Hk) itself (grouped value attention).
     kernel = _fla_recurrent if q.shape[0] == 1 else _fla_chunk
     out, final = kernel(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
                         initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
     state.copy_(final[0])
     return out[0]
+
+
+def gated_delta_rule_rows(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of N sequences at once: q,k [N, Hk, dk], v [N, Hv, dv], g/beta [N, Hv], state
+    [N, Hv, dk, dv] float32 (left as it is). Returns (o [N, Hv, dv], the advanced state). Fixed shapes and
+    no host synchronisation, so a decode step can be captured in a CUDA graph."""
+    if _fla_recurrent is not None and q.is_cuda and v.dtype != torch.float32:
+        out, final = _fla_recurrent(q[:, None], k[:, None], v[:, None], g=g[:, None].float(), beta=beta[:, None],
+                                    initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return out[:, 0], final
+    groups = v.shape[1] // k.shape[1]
+    q, k = q.repeat_interleave(groups, dim=1).float(), k.repeat_interleave(groups, dim=1).float()
+    q, k = _l2norm(q), _l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    s = state * g.float().exp()[..., None, None]
+    predicted = torch.einsum("nhk,nhkv->nhv", k, s)
+    delta = (v.float() - predicted) * beta.float()[..., None]
+    s = s + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("nhk,nhkv->nhv", q, s).to(v.dtype), s

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import moe_kernels
+
 
 class SwiGLU(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
@@ -36,7 +38,8 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """All experts' weights as two stacked tensors (gate and up fused)."""
+    """All experts' weights as two stacked tensors (gate and up fused). bfloat16/float16 models on a GPU
+    run the fused Triton kernels of moe_kernels; everything else runs the torch paths below."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int):
         super().__init__()
@@ -44,9 +47,26 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
-    def forward_per_row(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Each row through its own k experts as a batch of matrix-vector products, summed in slot order:
-        a row's result depends only on the row (for a fixed number of rows), not on other rows' routing."""
+    def _fused(self, x: torch.Tensor) -> bool:
+        """The Triton kernels apply: a GPU tensor in bf16/fp16 and no autograd (they have no backward)."""
+        if not (x.is_cuda and x.dtype in moe_kernels.SUPPORTED_DTYPES and moe_kernels.available()
+                and self.gate_up_proj.dtype == x.dtype):
+            return False
+        return not (torch.is_grad_enabled()
+                    and (x.requires_grad or self.gate_up_proj.requires_grad or self.down_proj.requires_grad))
+
+    def forward_per_row(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        active: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row through its own k experts, summed in slot order: a row's result depends only on the row
+        (for a fixed number of rows), not on other rows' routing. Rows with active False come out as zeros.
+        Fixed shapes and no host synchronisation (a decode step is captured in a CUDA graph)."""
+        if self._fused(x):
+            return moe_kernels.moe_rows(x, ids, weights, self.gate_up_proj, self.down_proj, active)
+        return self.forward_per_row_torch(x, ids, weights, active)
+
+    def forward_per_row_torch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                              active: torch.Tensor | None = None) -> torch.Tensor:
+        """A batch of matrix-vector products over gathered expert weights."""
         rows, k = ids.shape
         flat = ids.reshape(-1)
         inputs = x.repeat_interleave(k, dim=0).unsqueeze(-1)
@@ -56,9 +76,18 @@ class Experts(nn.Module):
         out = y[:, 0]
         for slot in range(1, k):
             out = out + y[:, slot]
+        if active is not None:
+            out = out.masked_fill(~active.bool().unsqueeze(-1), 0)
         return out
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Any number of rows (prefill). A token's result does not depend on which other tokens share the
+        batch, on either path."""
+        if self._fused(x):
+            return moe_kernels.moe_grouped(x, ids, weights, self.gate_up_proj, self.down_proj)
+        return self.forward_torch(x, ids, weights)
+
+    def forward_torch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # Experts are visited in ascending order and their outputs summed in x's dtype in that order,
         # so a token's result does not depend on which other tokens share the batch.
         out = torch.zeros_like(x)
@@ -79,8 +108,14 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SwiGLU(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, fixed_rows: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fixed_rows: bool = False, active: torch.Tensor | None = None) -> torch.Tensor:
+        """fixed_rows: a decode step over all slots (each row's result independent of the others'); active
+        [T] bool marks the rows in use there, the others' routed output is zero (their shared-expert term
+        is still computed)."""
         shared = self.shared_expert(x)
         ids, weights = self.gate(x)
-        routed = self.experts.forward_per_row(x, ids, weights) if fixed_rows else self.experts(x, ids, weights)
+        if fixed_rows:
+            routed = self.experts.forward_per_row(x, ids, weights, active)
+        else:
+            routed = self.experts(x, ids, weights)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared

@@ -56,16 +56,19 @@ class NGramEmbedding(nn.Module):
 
     def hash_ids(self, history: torch.Tensor, count: int) -> torch.Tensor:
         """Table rows [count, heads] for the last `count` tokens of `history`."""
-        shifted = [self._shifted(history, s) for s in range(self.ngram_size)]
+        return self._hash([self._shifted(history, s) for s in range(self.ngram_size)])[-count:]
+
+    def _hash(self, shifted: list[torch.Tensor]) -> torch.Tensor:
+        """Table rows [..., heads] from each token and its 1..ngram_size-1 predecessors (shifted[s])."""
         groups = []
         for order in range(2, self.ngram_size + 1):
             mixed = shifted[0] * self.layer_multipliers[0]
             for s in range(1, order):
                 mixed = torch.bitwise_xor(mixed, shifted[s] * self.layer_multipliers[s])
             heads = slice((order - 2) * self.heads_per_ngram, (order - 1) * self.heads_per_ngram)
-            rows = torch.remainder(mixed[:, None], self.ngram_heads_vocab_sizes[heads])
+            rows = torch.remainder(mixed[..., None], self.ngram_heads_vocab_sizes[heads])
             groups.append(rows + self.ngram_heads_offsets[heads])
-        return torch.cat(groups, dim=-1)[-count:]
+        return torch.cat(groups, dim=-1)
 
     def forward(self, token_ids: torch.Tensor, state: PLEState) -> torch.Tensor:
         """token_ids [n] -> concatenated head embeddings [n, ple_embed_dim]; advances the id context."""
@@ -75,6 +78,21 @@ class NGramEmbedding(nn.Module):
         state.context_ids.copy_(history[-state.context_ids.numel():])
         table = self.ngram_embedding.weight
         return F.embedding(rows.to(table.device), table).to(token_ids.device).flatten(-2)
+
+
+    def decode_rows(self, token_ids: torch.Tensor, state: PLEState, active: torch.Tensor) -> torch.Tensor:
+        """One token per row (token_ids [N], batched state): embeddings [N, ple_embed_dim]; the id context of
+        active rows advances. A predecessor counts only if no EOS lies between it and the token (the same
+        rule as `_shifted`)."""
+        history = torch.cat((state.context_ids, token_ids.long()[:, None]), dim=1)   # [N, ngram_size]
+        eos = torch.full_like(token_ids, self.eos)
+        shifted = [history[:, -1]]
+        for s in range(1, self.ngram_size):
+            crossed = (history[:, -1 - s:-1] == self.eos).any(dim=1)
+            shifted.append(torch.where(crossed, eos, history[:, -1 - s]))
+        state.context_ids.copy_(torch.where(active[:, None], history[:, 1:], state.context_ids))
+        table = self.ngram_embedding.weight
+        return F.embedding(self._hash(shifted), table).flatten(-2)
 
 
 class PLELayer(nn.Module):
@@ -93,14 +111,28 @@ class PLELayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: PLEState) -> torch.Tensor:
         """streams [n, hc*H] of one sequence -> the PLE term [n, hc*H] to add to them."""
-        embeddings = self.ple_embedding(token_ids, state)
+        gated = self._gated(streams, self.ple_embedding(token_ids, state))
+        return gated + self._short_conv(self.norm_conv(gated), state)
+
+    def _gated(self, streams: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         keys = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden))
         value = self.value_proj(embeddings)
         queries = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden))
         gate = (keys * queries).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
-        return gated + self._short_conv(self.norm_conv(gated), state)
+        return (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
+
+    def decode_rows(self, streams: torch.Tensor, token_ids: torch.Tensor, state: PLEState,
+                    active: torch.Tensor) -> torch.Tensor:
+        """One token per row (streams [N, hc*H], batched state) -> the PLE term [N, hc*H]."""
+        embeddings = self.ple_embedding.decode_rows(token_ids, state, active)
+        gated = self._gated(streams, embeddings)
+        x = self.norm_conv(gated)
+        window = torch.cat((state.conv, x[:, :, None]), dim=-1)
+        taps = window[:, :, ::self.conv1d.dilation[0]]
+        conv = (taps.float() * self.conv1d.weight[:, 0].float()).sum(-1).to(x.dtype)
+        state.conv.copy_(torch.where(active[:, None, None], window[:, :, 1:], state.conv))
+        return gated + F.silu(conv)
 
     def _short_conv(self, x: torch.Tensor, state: PLEState) -> torch.Tensor:
         window = torch.cat((state.conv, x.t()), dim=-1)

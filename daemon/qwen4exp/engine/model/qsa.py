@@ -62,6 +62,45 @@ class Indexer(nn.Module):
         in_tail = (token >= (complete * self.ratio)[:, None]) & (token <= positions[:, None])
         return (in_block & in_chosen) | in_tail
 
+    def decode_select(self, x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                      sin_table: torch.Tensor, state: AttentionState, active: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One query per row (x [N, H] at `positions` [N], batched state): stores its indexer key, pools the
+        block it completes, and returns the tokens it attends to as fixed-size (index [N, S], valid [N, S]):
+        the top blocks' tokens plus the incomplete tail block. Same choice as `select`, at fixed shapes."""
+        n, device = x.shape[0], x.device
+        rows = torch.arange(n, device=device)
+        within = torch.arange(self.ratio, device=device)
+        q, raw_keys = self.index_qk_proj(x).split([self.heads * self.dim, self.dim], dim=-1)
+        state.index_keys[rows, positions] = raw_keys     # idle rows write past their length: never read
+        complete = (positions + 1) // self.ratio         # complete blocks this query sees
+        block = (complete - 1).clamp_min(0)
+        starts = block * self.ratio
+        raw = state.index_keys[rows[:, None], starts[:, None] + within]
+        pooled = apply_rotary(self.k_layernorm(raw.float().mean(dim=1).to(raw.dtype)), cos_table[starts],
+                              sin_table[starts])
+        finished = (active & ((positions + 1) % self.ratio == 0))[:, None]
+        state.block_keys[rows, block] = torch.where(finished, pooled, state.block_keys[rows, block])
+
+        q = apply_rotary(self.q_layernorm(q.reshape(n, self.heads, self.dim)), cos_table[positions],
+                         sin_table[positions])
+        n_blocks = state.block_keys.shape[1]
+        scores = torch.relu(torch.bmm(q.float(), state.block_keys.float().transpose(1, 2))).sum(1)
+        scores = scores / math.sqrt(self.dim) + 0.0      # + 0.0 turns -0.0 into +0.0 for the bit keys below
+        # A non-negative float's bits order like its value; the low word makes earlier blocks win ties,
+        # so torch.topk picks exactly what the stable sort of `select` picks.
+        order = torch.arange(n_blocks - 1, -1, -1, device=device)
+        keys = (scores.view(torch.int32).long() << 32) | order
+        visible = torch.arange(n_blocks, device=device)[None, :] < complete[:, None]
+        keys = keys.masked_fill(~visible, -1)
+        chosen = keys.topk(min(self.block_topk, n_blocks), dim=-1).indices
+        chosen_valid = visible.gather(1, chosen)
+        block_tokens = (chosen[:, :, None] * self.ratio + within).flatten(1)
+        tail = complete[:, None] * self.ratio + within
+        index = torch.cat((block_tokens, tail), dim=1).clamp_max(state.index_keys.shape[1] - 1)
+        valid = torch.cat((chosen_valid.repeat_interleave(self.ratio, dim=1), tail <= positions[:, None]), dim=1)
+        return index, valid
+
     def _compress(self, start: int, end: int, cos_all, sin_all, state: AttentionState) -> None:
         """Pool, normalise and rotate the blocks completed by this chunk."""
         first, last = start // self.ratio, end // self.ratio
@@ -107,4 +146,26 @@ class QSAAttention(nn.Module):
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=selected[None],
                                              scale=self.head_dim ** -0.5)
         out = out.transpose(0, 1).reshape(n, self.heads * self.head_dim)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
+
+    def decode_rows(self, x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                    sin_table: torch.Tensor, state: AttentionState, active: torch.Tensor) -> torch.Tensor:
+        """One token for each of N sequences (x [N, H] at `positions` [N], batched state), at fixed shapes:
+        attention reads only the selected tokens' K/V (gathered), in float32."""
+        n = x.shape[0]
+        rows = torch.arange(n, device=x.device)
+        index, valid = self.indexer.decode_select(x, positions, cos_table, sin_table, state, active)
+        cos, sin = cos_table[positions], sin_table[positions]
+        q, gate = self.q_proj(x).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), cos, sin)
+        state.keys[rows, :, positions] = k
+        state.values[rows, :, positions] = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        gather = index[:, None, :, None].expand(n, self.kv_heads, index.shape[1], self.head_dim)
+        keys = state.keys.gather(2, gather).float()
+        values = state.values.gather(2, gather).float()
+        q = q.reshape(n, self.kv_heads, self.heads // self.kv_heads, self.head_dim).float()
+        scores = (q @ keys.transpose(-1, -2)) * self.head_dim ** -0.5
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        out = (torch.softmax(scores, dim=-1) @ values).to(x.dtype).reshape(n, self.heads * self.head_dim)
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))

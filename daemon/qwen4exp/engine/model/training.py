@@ -86,7 +86,7 @@ def training_forward(model: Qwen4ExpForCausalLM, input_ids: torch.Tensor, mtp: b
                 hooks.append(module.register_forward_hook(
                     lambda m, a, out: router_calls.append((m, a[0], out[0]))))
     try:
-        hidden = model._run(ids.reshape(-1), views, fixed_rows=False)
+        hidden = model._run(ids.reshape(-1), views)
         out = TrainingOutput(logits=model.lm_head(hidden).view(batch, length, -1))
         if mtp and model.mtp is not None and length > 1:
             out.mtp_logits = mtp_logits(model, captured["streams"], ids)
@@ -121,7 +121,7 @@ def mtp_logits(model: Qwen4ExpForCausalLM, streams: torch.Tensor, ids: torch.Ten
     views = _views(model, ids[:, 1:], shims)
     x = fused.flatten(-2).reshape(batch * n, hc * hidden)
     for layer in head.layers:
-        x = layer(x, views, False)
+        x = layer(x, views)
     out, _ = head.hyper_connection_mixer.mix(x)
     return model.lm_head(out).view(batch, n, -1)
 

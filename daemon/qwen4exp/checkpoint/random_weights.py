@@ -1,0 +1,73 @@
+"""A random-weight model built straight on the device, with no checkpoint on disk.
+
+Benchmarks on a GPU need the shipped per-layer sizes (the `bench` preset is ~47 GiB of bfloat16), and writing
+that to disk only to read it back costs minutes and a disk the GPU host may not have. This builds the model
+the way `load_model` does (`build_model`: allocated uninitialised on the device, PLE hash constants recomputed)
+and then fills every tensor with the random writer's own draws: each on-disk piece from its own generator,
+seeded by (seed, on-disk name), with the writer's distribution and scale, drawn on the device, rounded to the
+checkpoint dtype and copied into its place in the runtime tensor the way the loader places it (each expert's
+gate/up/down projection into the fused `gate_up_proj`/`down_proj`, PLE table shards into consecutive rows).
+So `random_model(preset, layers, dtype, device, seed)` holds exactly the tensors that
+`load_model(write_random_checkpoint(dir, preset, layers, seed, dtype, device))` would, in seconds.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from ..engine.loading import DTYPES, build_model, resolve_device
+from ..engine.model.causal_lm import Qwen4ExpForCausalLM
+from ..engine.model.config import ModelConfig
+from . import layout
+from .presets import preset_config
+from .writer import _draw, _dtype_label
+
+
+@torch.no_grad()
+def fill_random(model: torch.nn.Module, text: dict, seed: int, dtype: torch.dtype, progress: bool = False) -> int:
+    """Write every parameter and persistent buffer of `model` from the random writer's draws; returns the
+    number of elements written. Fails, naming the tensors, when the model and the layout disagree (a tensor
+    the layout does not know would otherwise keep whatever memory it was allocated on)."""
+    targets = model.state_dict(keep_vars=True)
+    with_mtp = any(name.startswith(layout.MTP_PREFIX) for name in targets)
+    specs = layout.runtime_specs(text, with_mtp=with_mtp)
+    names = {spec.name for spec in specs}
+    unfilled = sorted(set(targets) - names)
+    unknown = sorted(names - set(targets))
+    if unfilled or unknown:
+        raise ValueError(f"the model and the checkpoint layout disagree: tensors no draw fills {unfilled[:5]}, "
+                         f"draws with no tensor {unknown[:5]}")
+    device = str(next(iter(targets.values())).device)
+    written = 0
+    bar = tqdm(total=sum(spec.numel for spec in specs), unit="", unit_scale=True, desc="random weights",
+               disable=not progress)
+    for spec in specs:
+        target = targets[spec.name]
+        if tuple(target.shape) != spec.shape:
+            raise ValueError(f"{spec.name}: the model has shape {list(target.shape)}, the layout {list(spec.shape)}")
+        for piece in layout.disk_pieces(spec, text):
+            tensor = _draw(spec, piece, seed, dtype, device)
+            (target[piece.index] if piece.index else target).copy_(tensor)
+            written += tensor.numel()
+        bar.update(spec.numel)
+    bar.close()
+    return written
+
+
+def random_model(preset: str = "bench", layers: int | None = None, dtype: torch.dtype | str = torch.bfloat16,
+                 device: str | torch.device | None = None, seed: int = 0,
+                 progress: bool = False) -> Qwen4ExpForCausalLM:
+    """The model of `preset` (optionally cut to `layers` layers) with random weights, built on `device`.
+
+    Equal, tensor for tensor, to loading a checkpoint that `write_random_checkpoint` wrote with the same
+    preset, layers, seed, dtype and device, so numerically sane in the same way (finite logits with a
+    visible spread; routers that change experts from token to token)."""
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    config = preset_config(preset, layers, dtype=_dtype_label(dtype))
+    text = config["text_config"]
+    cfg = ModelConfig.from_dict(config, source=f"preset {preset!r}")
+    model = build_model(cfg, dtype, device)
+    fill_random(model, text, seed, dtype, progress=progress)
+    return model

@@ -1,0 +1,434 @@
+"""Fused routed experts in Triton (CUDA and ROCm) for bfloat16/float16 models.
+
+Two entry points replace the torch paths of `moe.Experts`:
+
+* `moe_rows` (decode, a few rows): every (row, slot) pair runs its expert as matrix-vector products that
+  stream the expert's weights once with wide coalesced loads. Fixed grid and block shapes, no host
+  synchronisation, so a decode step can be captured in a CUDA graph; a row's bits depend on that row alone.
+* `moe_grouped` (prefill, many tokens): the (token, slot) pairs are sorted by expert on the device, each
+  expert's group padded to a whole number of row blocks, and two grouped GEMMs on the tensor cores run
+  gate/up (with the SwiGLU in the epilogue) and down (with the routing weight); a last pass adds each
+  token's k slot outputs.
+
+Numerics (both): dot products accumulate in float32; gate and up are rounded to x's dtype (as F.linear
+would), silu(gate) is computed in float32 and rounded, and its product with up rounded again, so the
+intermediate matches torch's bf16 `F.silu(gate) * up` up to accumulation order. The k slot outputs of a
+token are added in float32 in slot order 0..k-1 and rounded once. `moe_rows` keeps each slot's output in
+float32 up to that sum; `moe_grouped` rounds each weighted slot output to x's dtype first (it stores
+T*k rows of them). Block shapes never depend on the number of rows, and no atomics are used, so the results
+are deterministic and a row's (token's) result does not depend on which other rows share the launch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Optional: CPU-only installs run the torch paths in moe.py.
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    triton = tl = None
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+# Decode (moe_rows). Weight-bandwidth bound: each program streams BLOCK_N weight rows of one expert with
+# [BLOCK_N, BLOCK_K] tiles (BLOCK_K along the contiguous axis: 16-byte loads per thread), and the grid has
+# enough programs at T=1 to keep every SM's memory pipe full (k * I/BLOCK_N for gate/up, k * H/BLOCK_N for
+# down). Fixed, never tuned per call: results must not depend on T.
+ROWS_GATE_UP = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)
+ROWS_DOWN = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4)
+COMBINE = dict(BLOCK=1024, num_warps=4)
+
+# Prefill (moe_grouped): tensor-core tiles. BLOCK_M also pads each expert's group of pairs.
+GROUPED_BLOCK_M = 64
+GROUPED_GATE_UP = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+GROUPED_DOWN = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+
+
+def available() -> bool:
+    """Whether Triton imported; callers still check the device and dtype."""
+    return triton is not None
+
+
+def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+           down: torch.Tensor) -> tuple[int, int, int, int]:
+    """Shapes and dtypes both entry points rely on; returns (T, H, I, k). Shape checks only: no sync."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"fused MoE runs bfloat16/float16 only, got {x.dtype}")
+    if gate_up.dtype != x.dtype or down.dtype != x.dtype or weights.dtype != x.dtype:
+        raise TypeError("x, the routing weights and the expert weights must share one dtype")
+    rows, hidden = x.shape
+    experts, two_inter, hidden_w = gate_up.shape
+    if hidden_w != hidden or two_inter % 2 or down.shape != (experts, hidden, two_inter // 2):
+        raise ValueError(f"expert weights {tuple(gate_up.shape)} / {tuple(down.shape)} do not fit x {tuple(x.shape)}")
+    if ids.shape != weights.shape or ids.shape[0] != rows:
+        raise ValueError("ids and weights must both be [T, k]")
+    return rows, hidden, two_inter // 2, ids.shape[1]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+        """float32 -> dtype, to nearest even. Triton's CPU interpreter truncates to bfloat16 (3.9), so there
+        the rounding is done on the bits; compiled kernels convert directly."""
+        if INTERPRETED and dtype == tl.bfloat16:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits += 0x7FFF + ((bits >> 16) & 1)
+            v = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return v.to(dtype)
+
+    @triton.jit
+    def _silu_mul(gate, up, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+        """gate, up float32 -> silu(gate) * up in `dtype`, rounded where torch's low-precision ops round."""
+        gate = _round(gate, dtype, INTERPRETED).to(tl.float32)
+        up = _round(up, dtype, INTERPRETED).to(tl.float32)
+        act = _round(gate / (1.0 + tl.exp(-gate)), dtype, INTERPRETED).to(tl.float32)
+        return _round(act * up, dtype, INTERPRETED)
+
+    @triton.jit
+    def _rows_gate_up_kernel(x_ptr, ids_ptr, active_ptr, w_ptr, h_ptr, hidden, inter, top_k,
+                             INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """h[pair, n] = silu(gate_n . x_row) * (up_n . x_row) for one (row, slot) pair and BLOCK_N features."""
+        pair = tl.program_id(0)
+        block_n = tl.program_id(1)
+        row = pair // top_k
+        if HAS_ACTIVE:
+            if tl.load(active_ptr + row) == 0:
+                return  # an idle row reads no weights; moe_rows zeroes its output
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        feat = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        feat_ok = feat < inter
+        cols = tl.arange(0, BLOCK_K)
+        gate_ptrs = w_ptr + expert * (2 * inter) * hidden + feat[:, None] * hidden + cols[None, :]
+        up_ptrs = gate_ptrs + inter * hidden
+        x_ptrs = x_ptr + row.to(tl.int64) * hidden + cols
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_K):
+            col_ok = cols < hidden - start
+            tile_ok = feat_ok[:, None] & col_ok[None, :]
+            xv = tl.load(x_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+            gate = tl.load(gate_ptrs, mask=tile_ok, other=0.0)
+            up = tl.load(up_ptrs, mask=tile_ok, other=0.0)
+            acc_gate += gate.to(tl.float32) * xv[None, :]
+            acc_up += up.to(tl.float32) * xv[None, :]
+            x_ptrs += BLOCK_K
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
+        h = _silu_mul(tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1), h_ptr.dtype.element_ty, INTERPRETED)
+        tl.store(h_ptr + pair.to(tl.int64) * inter + feat, h, mask=feat_ok)
+
+    @triton.jit
+    def _rows_down_kernel(h_ptr, ids_ptr, weights_ptr, active_ptr, w_ptr, y_ptr, hidden, inter, top_k,
+                          HAS_ACTIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y[pair, n] = weight[pair] * (down_n . h[pair]) in float32, for BLOCK_N output features."""
+        pair = tl.program_id(0)
+        block_n = tl.program_id(1)
+        row = pair // top_k
+        if HAS_ACTIVE:
+            if tl.load(active_ptr + row) == 0:
+                return
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        feat = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        feat_ok = feat < hidden
+        cols = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + expert * hidden * inter + feat[:, None] * inter + cols[None, :]
+        h_ptrs = h_ptr + pair.to(tl.int64) * inter + cols
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for start in range(0, inter, BLOCK_K):
+            col_ok = cols < inter - start
+            hv = tl.load(h_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=feat_ok[:, None] & col_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * hv[None, :]
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
+        tl.store(y_ptr + pair.to(tl.int64) * hidden + feat, y, mask=feat_ok)
+
+    @triton.jit
+    def _combine_slots_kernel(y_ptr, active_ptr, out_ptr, hidden, top_k, INTERPRETED: tl.constexpr,
+                              HAS_ACTIVE: tl.constexpr, BLOCK: tl.constexpr):
+        """out[row] = y[row, 0] + ... + y[row, k-1] in float32, slot order, rounded once; idle rows get 0."""
+        row = tl.program_id(0)
+        feat = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        limit = hidden
+        if HAS_ACTIVE:  # an idle row reads nothing (its y was never written) and stores zeros
+            limit = tl.load(active_ptr + row).to(tl.int32) * hidden
+        ok = feat < limit
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        y_ptrs = y_ptr + row.to(tl.int64) * top_k * hidden + feat
+        for _slot in range(0, top_k):
+            acc += tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
+            y_ptrs += hidden
+        tl.store(out_ptr + row.to(tl.int64) * hidden + feat, _round(acc, out_ptr.dtype.element_ty, INTERPRETED),
+                 mask=feat < hidden)
+
+    @triton.jit
+    def _grouped_gate_up_kernel(x_ptr, pair_of_row_ptr, expert_of_block_ptr, w_ptr, h_ptr,
+                                num_pairs, num_experts, hidden, inter, top_k, INTERPRETED: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """h[padded row] = silu(x[token] @ gate^T) * (x[token] @ up^T) for one row block and BLOCK_N features.
+        Program ids run over the feature blocks of one row block first, so the programs in flight share
+        their rows of x and a few experts' weights through L2."""
+        pid = tl.program_id(0)
+        blocks_n = tl.cdiv(inter, BLOCK_N)
+        block_m = pid // blocks_n
+        block_n = pid % blocks_n
+        expert = tl.load(expert_of_block_ptr + block_m).to(tl.int64)
+        if expert >= num_experts:
+            return  # past the last padded group: the grid is sized by an upper bound
+        rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_of_row_ptr + rows)
+        pair_ok = pair < num_pairs  # padding rows hold num_pairs
+        token = tl.where(pair_ok, pair // top_k, 0).to(tl.int64)
+        feat = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        feat_ok = feat < inter
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + token[:, None] * hidden + ks[None, :]
+        gate_ptrs = w_ptr + expert * (2 * inter) * hidden + feat[None, :] * hidden + ks[:, None]
+        up_ptrs = gate_ptrs + inter * hidden
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_K):
+            k_ok = ks < hidden - start
+            a = tl.load(x_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+            gate = tl.load(gate_ptrs, mask=k_ok[:, None] & feat_ok[None, :], other=0.0)
+            up = tl.load(up_ptrs, mask=k_ok[:, None] & feat_ok[None, :], other=0.0)
+            if INTERPRETED:
+                a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
+            acc_gate = tl.dot(a, gate, acc_gate)
+            acc_up = tl.dot(a, up, acc_up)
+            x_ptrs += BLOCK_K
+            gate_ptrs += BLOCK_K
+            up_ptrs += BLOCK_K
+        h = _silu_mul(acc_gate, acc_up, h_ptr.dtype.element_ty, INTERPRETED)
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * inter + feat[None, :]
+        tl.store(h_ptrs, h, mask=feat_ok[None, :])
+
+    @triton.jit
+    def _grouped_down_kernel(h_ptr, pair_of_row_ptr, expert_of_block_ptr, weights_ptr, w_ptr, y_ptr,
+                             num_pairs, num_experts, hidden, inter, INTERPRETED: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y[pair] = weight[pair] * (h[padded row] @ down^T), rounded to y's dtype, for BLOCK_N features."""
+        pid = tl.program_id(0)
+        blocks_n = tl.cdiv(hidden, BLOCK_N)
+        block_m = pid // blocks_n
+        block_n = pid % blocks_n
+        expert = tl.load(expert_of_block_ptr + block_m).to(tl.int64)
+        if expert >= num_experts:
+            return
+        rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_of_row_ptr + rows)
+        pair_ok = pair < num_pairs
+        feat = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        feat_ok = feat < hidden
+        ks = tl.arange(0, BLOCK_K)
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * inter + ks[None, :]
+        w_ptrs = w_ptr + expert * hidden * inter + feat[None, :] * inter + ks[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, inter, BLOCK_K):
+            k_ok = ks < inter - start
+            a = tl.load(h_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & feat_ok[None, :], other=0.0)
+            if INTERPRETED:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(a, w, acc)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        route = tl.load(weights_ptr + pair, mask=pair_ok, other=0.0).to(tl.float32)
+        y = _round(acc * route[:, None], y_ptr.dtype.element_ty, INTERPRETED)
+        safe_pair = tl.where(pair_ok, pair, 0).to(tl.int64)
+        tl.store(y_ptr + safe_pair[:, None] * hidden + feat[None, :], y, mask=pair_ok[:, None] & feat_ok[None, :])
+
+
+def _interpreted(x: torch.Tensor) -> bool:
+    """Only Triton's CPU interpreter sees CPU tensors; its bfloat16 tl.dot and rounding need help there."""
+    return x.device.type == "cpu"
+
+
+def _combine(y: torch.Tensor, flags: torch.Tensor | None, rows: int, hidden: int, top_k: int,
+             dtype: torch.dtype) -> torch.Tensor:
+    """[rows * k, H] slot outputs -> [rows, H]: the slot sum in float32, in slot order, rounded once."""
+    out = torch.empty(rows, hidden, device=y.device, dtype=dtype)
+    grid = (rows, triton.cdiv(hidden, COMBINE["BLOCK"]))
+    _combine_slots_kernel[grid](y, flags if flags is not None else y, out, hidden, top_k,
+                                INTERPRETED=_interpreted(y), HAS_ACTIVE=flags is not None, **COMBINE)
+    return out
+
+
+def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+             down: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode: x [T, H], ids/weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype.
+    Rows with active == False read no expert weights (nor x, ids or weights) and come out as zeros.
+    Three launches (gate/up, down, slot sum) whose grids depend only on the shapes: CUDA-graph safe."""
+    rows, hidden, inter, top_k = _check(x, ids, weights, gate_up, down)
+    if rows == 0 or top_k == 0:
+        return torch.zeros_like(x)
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    gate_up, down = gate_up.contiguous(), down.contiguous()
+    flags = None
+    if active is not None:
+        if active.shape != (rows,):
+            raise ValueError(f"active must be [{rows}], got {tuple(active.shape)}")
+        flags = (active if active.dtype == torch.bool else active != 0).contiguous().view(torch.uint8)
+    pairs = rows * top_k
+    h = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
+    y = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
+    flag_arg = flags if flags is not None else ids  # never read when HAS_ACTIVE is False
+    common = dict(INTERPRETED=_interpreted(x), HAS_ACTIVE=flags is not None)
+    grid = (pairs, triton.cdiv(inter, ROWS_GATE_UP["BLOCK_N"]))
+    _rows_gate_up_kernel[grid](x, ids, flag_arg, gate_up, h, hidden, inter, top_k, **common, **ROWS_GATE_UP)
+    grid = (pairs, triton.cdiv(hidden, ROWS_DOWN["BLOCK_N"]))
+    _rows_down_kernel[grid](h, ids, weights, flag_arg, down, y, hidden, inter, top_k,
+                            HAS_ACTIVE=flags is not None, **ROWS_DOWN)
+    return _combine(y, flags, rows, hidden, top_k, x.dtype)
+
+
+def group_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lay the (token, slot) pairs (pair = token * k + slot) out by expert, each expert's group padded to a
+    multiple of block_m, with device-side ops only (no host sync). Returns (pair_of_row [R],
+    expert_of_block [R / block_m]) where R = block_m * (ceil(pairs / block_m) + num_experts) bounds the
+    padded total: a padding row holds the pair count, and a block past the last group holds num_experts.
+    Within a group the pairs keep ascending order (stable sort)."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    device = flat.device
+    sorted_experts, order = torch.sort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    group_start = torch.cumsum(counts, 0) - counts
+    rank_in_group = torch.arange(pairs, device=device) - group_start[sorted_experts]
+    destination = (padded_end - padded)[sorted_experts] + rank_in_group
+    max_blocks = (pairs + block_m - 1) // block_m + num_experts
+    pair_of_row = torch.full((max_blocks * block_m,), pairs, dtype=torch.int32, device=device)
+    pair_of_row.scatter_(0, destination, order.to(torch.int32))
+    block_start = torch.arange(max_blocks, device=device, dtype=torch.int64) * block_m
+    expert_of_block = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
+    return pair_of_row, expert_of_block
+
+
+def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+    """Prefill: x [T, H], ids/weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype,
+    through grouped GEMMs over the pairs sorted by expert. No host synchronisation; the grids are sized by
+    the padded upper bound and blocks past the last group exit at once."""
+    rows, hidden, inter, top_k = _check(x, ids, weights, gate_up, down)
+    if rows == 0 or top_k == 0:
+        return torch.zeros_like(x)
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    gate_up, down = gate_up.contiguous(), down.contiguous()
+    num_experts = gate_up.shape[0]
+    pairs = rows * top_k
+    if pairs + num_experts * GROUPED_BLOCK_M >= 2**31:
+        raise ValueError("too many (token, slot) pairs for int32 row indices")
+    pair_of_row, expert_of_block = group_pairs_by_expert(ids, num_experts, GROUPED_BLOCK_M)
+    max_blocks = expert_of_block.numel()
+    interpreted = _interpreted(x)
+    h = torch.empty(pair_of_row.numel(), inter, device=x.device, dtype=x.dtype)
+    grid = (max_blocks * triton.cdiv(inter, GROUPED_GATE_UP["BLOCK_N"]),)
+    _grouped_gate_up_kernel[grid](x, pair_of_row, expert_of_block, gate_up, h, pairs, num_experts, hidden, inter,
+                                  top_k, INTERPRETED=interpreted, BLOCK_M=GROUPED_BLOCK_M, **GROUPED_GATE_UP)
+    y = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)
+    grid = (max_blocks * triton.cdiv(hidden, GROUPED_DOWN["BLOCK_N"]),)
+    _grouped_down_kernel[grid](h, pair_of_row, expert_of_block, weights, down, y, pairs, num_experts, hidden, inter,
+                               INTERPRETED=interpreted, BLOCK_M=GROUPED_BLOCK_M, **GROUPED_DOWN)
+    return _combine(y, None, rows, hidden, top_k, x.dtype)
+
+
+def _bench() -> None:
+    """Bench-sized random bf16 experts on the GPU: each kernel against moe.py's torch path (errors), the
+    contracts the engine relies on (determinism, row independence, CUDA-graph replay, idle rows), and
+    median timings from triton.testing.do_bench (L2 flushed between runs)."""
+    from .moe import Experts
+
+    experts_n, hidden, inter, top_k = 512, 2560, 640, 10
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            experts = Experts(experts_n, hidden, inter)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    experts.requires_grad_(False)
+    experts.gate_up_proj.normal_(0.0, hidden ** -0.5)
+    experts.down_proj.normal_(0.0, inter ** -0.5)
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+
+    def routing(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = torch.randn(rows, hidden, device=device, dtype=dtype)
+        probs, ids = torch.rand(rows, experts_n, device=device).topk(top_k, dim=-1)
+        return x, ids, (probs / probs.sum(-1, keepdim=True)).to(dtype)
+
+    def errors(got: torch.Tensor, want: torch.Tensor) -> str:
+        diff = (got.float() - want.float()).abs().max().item()
+        rel = diff / want.float().abs().max().item()
+        return f"max abs err {diff:.3e}, rel {rel:.3e}"
+
+    print(f"moe_rows: E={experts_n} H={hidden} I={inter} k={top_k} bf16, configs {ROWS_GATE_UP} {ROWS_DOWN}")
+    for rows in (1, 2, 4):
+        x, ids, weights = routing(rows)
+        got = moe_rows(x, ids, weights, gate_up, down)
+        want = experts.forward_per_row_torch(x, ids, weights)
+        again = moe_rows(x, ids, weights, gate_up, down)
+        ms = triton.testing.do_bench(lambda: moe_rows(x, ids, weights, gate_up, down), return_mode="median")
+        torch_ms = triton.testing.do_bench(lambda: experts.forward_per_row_torch(x, ids, weights),
+                                           return_mode="median")
+        moved = torch.unique(ids).numel() * expert_bytes + 2 * x.numel() * x.element_size()
+        print(f"  T={rows}: {errors(got, want)}; deterministic {torch.equal(got, again)}; "
+              f"{ms * 1e3:.1f} us = {moved / ms / 1e6:.0f} GB/s (torch bmm path {torch_ms * 1e3:.0f} us)")
+
+    rows = 4
+    x, ids, weights = routing(rows)
+    active = torch.tensor([True, False, True, True], device=device)
+    base = moe_rows(x, ids, weights, gate_up, down, active)
+    other_x, other_ids, other_weights = routing(rows)
+    other_x[0], other_ids[0], other_weights[0] = x[0], ids[0], weights[0]
+    other = moe_rows(other_x, other_ids, other_weights, gate_up, down, active)
+    print(f"  idle row is zero: {bool((base[1] == 0).all())}; row 0 independent of rows 1..3: "
+          f"{torch.equal(base[0], other[0])}")
+    static = [t.clone() for t in (x, ids, weights)]
+    graph = torch.cuda.CUDAGraph()
+    moe_rows(*static, gate_up, down, active)  # compiled before the capture
+    with torch.cuda.graph(graph):
+        captured = moe_rows(*static, gate_up, down, active)
+    for buffer, value in zip(static, (other_x, other_ids, other_weights)):
+        buffer.copy_(value)
+    graph.replay()
+    print(f"  CUDA graph replay equals eager: {torch.equal(captured, other)}")
+
+    print(f"moe_grouped: BLOCK_M={GROUPED_BLOCK_M}, configs {GROUPED_GATE_UP} {GROUPED_DOWN}")
+    for rows in (4096, 16384):
+        x, ids, weights = routing(rows)
+        got = moe_grouped(x, ids, weights, gate_up, down)
+        want = experts.forward_torch(x, ids, weights)
+        again = moe_grouped(x, ids, weights, gate_up, down)
+        head = moe_grouped(x[:100], ids[:100], weights[:100], gate_up, down)
+        ms = triton.testing.do_bench(lambda: moe_grouped(x, ids, weights, gate_up, down), return_mode="median")
+        torch_ms = triton.testing.do_bench(lambda: experts.forward_torch(x, ids, weights), rep=200,
+                                           return_mode="median")
+        flops = 2 * rows * top_k * 3 * hidden * inter
+        print(f"  T={rows}: {errors(got, want)}; deterministic {torch.equal(got, again)}; "
+              f"batch-invariant {torch.equal(head, got[:100])}; {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s "
+              f"(torch loop {torch_ms:.1f} ms)")
+        del x, ids, weights, got, want, again
+    print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bench", action="store_true", help="check and time both kernels on the GPU")
+    if not parser.parse_args().bench:
+        parser.error("nothing to do: pass --bench")
+    if not available() or not torch.cuda.is_available():
+        raise SystemExit("the benchmark needs Triton and a CUDA/ROCm device")
+    _bench()

@@ -1,0 +1,103 @@
+"""The serving engine on a CUDA/ROCm device: the decode step replayed from a CUDA graph gives every request
+the numbers it gets alone, the same as without the graph, warm or cold, and the float32 engine follows the
+reference's greedy ids. Run on a GPU host with `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from qwen4exp.engine.engine import Engine
+from qwen4exp.engine.loading import load_model
+from qwen4exp.engine.prefix_cache import PrefixCache
+from qwen4exp.engine.request import Request
+from qwen4exp.engine.sampling import SamplingParams
+from qwen4exp.engine.snapshot import SnapshotBackend
+
+pytestmark = pytest.mark.gpu
+DTYPES = ("float32", "bfloat16")
+CONTEXT, CHUNK = 512, 16
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA/ROCm device")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return {name: load_model(str(tiny_checkpoint), dtype=name, device="cuda", progress=False) for name in DTYPES}
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def _specs() -> list[dict]:
+    """Prompts on both sides of the tiny model's QSA dense limit (35 tokens), greedy and seeded."""
+    return [dict(prompt_ids=_prompt(n, seed=n), max_tokens=24, sampling=SEEDED if n % 2 else SamplingParams())
+            for n in (5, 30, 77, 180)]
+
+
+def _run(engine: Engine, specs: list[dict], starts: list[int]) -> list[list[int]]:
+    requests, step = [], 0
+    while len(requests) < len(specs) or not engine.idle:
+        while len(requests) < len(specs) and starts[len(requests)] <= step:
+            requests.append(engine.submit(Request(**specs[len(requests)])))
+        engine.step()
+        step += 1
+    assert all(r.error is None for r in requests)
+    return [r.output_ids for r in requests]
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_graph_decode_alone_equals_together(models, name):
+    engine = Engine(models[name], slots=4, context=CONTEXT, chunk=CHUNK)
+    assert engine.decoder.graph is not None, "the decode step must be a CUDA graph on a GPU"
+    specs = _specs()
+    alone = [_run(engine, [spec], [0])[0] for spec in specs]
+    for starts in ([0, 0, 0, 0], [0, 3, 7, 12], [9, 0, 2, 5]):
+        assert _run(engine, specs, starts) == alone, f"starts {starts}"
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_graph_replay_equals_eager_decode(models, name):
+    specs = _specs()
+    graphed = _run(Engine(models[name], slots=4, context=CONTEXT, chunk=CHUNK), specs, [0, 1, 2, 3])
+    eager = _run(Engine(models[name], slots=4, context=CONTEXT, chunk=CHUNK, cuda_graphs=False), specs, [0, 1, 2, 3])
+    assert graphed == eager
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_warm_equals_cold_from_pinned_host_snapshots(models, name):
+    model = models[name]
+    cache = PrefixCache(CHUNK, 1 << 30, SnapshotBackend.for_device(torch.device("cuda")),
+                        model.config.indexer_compress_ratio)
+    assert cache.backend.tier == "host" and cache.backend.pinned
+    engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, prefix_cache=cache)
+    specs = [dict(prompt_ids=_prompt(n, seed=40 + n), max_tokens=16, sampling=sampling)
+             for n in (150, 160) for sampling in (SamplingParams(), SEEDED)]
+    cold = _run(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK), specs, [0, 0, 0, 0])
+    first = _run(engine, specs, [0, 0, 0, 0])
+    warm = _run(engine, specs[::-1], [0, 0, 0, 0])[::-1]      # other slots than at capture
+    assert warm == first == cold
+    assert cache.counters.restored_tokens == 144 * 2 + 160 * 2
+
+
+def test_float32_engine_follows_reference_greedy_ids(models, tiny_checkpoint):
+    transformers = pytest.importorskip("transformers")
+    from test_gpu_parity import exact_reference
+
+    reference = transformers.Qwen4ExpForCausalLM.from_pretrained(
+        tiny_checkpoint, dtype=torch.float32, device_map="cuda").eval()
+    prompts = [_prompt(120, seed=1), _prompt(40, seed=2)]
+    engine = Engine(models["float32"], slots=4, context=CONTEXT, chunk=CHUNK)
+    ours = _run(engine, [dict(prompt_ids=p, max_tokens=48) for p in prompts], [0, 0])
+    for prompt, got in zip(prompts, ours):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad(), exact_reference():
+            out = reference.generate(ids, max_new_tokens=48, min_new_tokens=48, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)
+        assert got == out[0, len(prompt):].tolist()

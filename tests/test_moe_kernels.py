@@ -1,0 +1,194 @@
+"""The fused MoE Triton kernels (moe_kernels.py), run on the CPU through Triton's interpreter.
+
+TRITON_INTERPRET must be set before Triton is imported, and another module of this pytest process may have
+imported Triton already (flash-linear-attention does, through gdn_ops). So the checks run once, in one child
+process started with that variable, and each test below reports one check's verdict.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+
+E, H, I, K = 8, 64, 32, 2  # experts, hidden, expert intermediate, top-k
+REL_TOL = 1e-2
+
+
+def _setup(dtype_name: str, seed: int = 0):
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).to(dtype)
+    down = (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(dtype)
+    return gate_up, down, gen, dtype
+
+
+def _routing(rows: int, gen, dtype):
+    import torch
+
+    x = torch.randn(rows, H, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(rows)])
+    weights = torch.rand(rows, K, generator=gen).softmax(-1).to(dtype)
+    return x, ids, weights
+
+
+def _reference(x, ids, weights, gate_up, down):
+    """The same math in float64 with no rounding at all."""
+    import torch
+    import torch.nn.functional as F
+
+    x, weights, gate_up, down = x.double(), weights.double(), gate_up.double(), down.double()
+    out = torch.zeros_like(x)
+    for row in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            expert = ids[row, slot]
+            gate, up = (gate_up[expert] @ x[row]).chunk(2)
+            out[row] += weights[row, slot] * (down[expert] @ (F.silu(gate) * up))
+    return out
+
+
+def _rel_err(got, want) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+def check_rows_match_reference():
+    from qwen4exp.engine.model.moe_kernels import moe_rows
+
+    for dtype_name in ("bfloat16", "float16"):
+        gate_up, down, gen, dtype = _setup(dtype_name)
+        for rows in (1, 2, 5):
+            x, ids, weights = _routing(rows, gen, dtype)
+            out = moe_rows(x, ids, weights, gate_up, down)
+            assert out.dtype == dtype and out.shape == (rows, H)
+            err = _rel_err(out, _reference(x, ids, weights, gate_up, down))
+            assert err < REL_TOL, f"{dtype_name} T={rows}: rel err {err:.2e}"
+
+
+def check_rows_inactive_are_zero_and_rows_independent():
+    import torch
+
+    from qwen4exp.engine.model.moe_kernels import moe_rows
+
+    gate_up, down, gen, dtype = _setup("bfloat16", seed=1)
+    x, ids, weights = _routing(4, gen, dtype)
+    active = torch.tensor([True, False, True, False])
+    x[3] = float("nan")  # an idle row's input is never read
+    out = moe_rows(x, ids, weights, gate_up, down, active)
+    assert torch.equal(out[1], torch.zeros(H, dtype=dtype)) and torch.equal(out[3], torch.zeros(H, dtype=dtype))
+    full = moe_rows(x[:3], ids[:3], weights[:3], gate_up, down)
+    want = _reference(x[:3], ids[:3], weights[:3], gate_up, down)
+    assert _rel_err(out[[0, 2]], want[[0, 2]]) < REL_TOL
+    assert torch.equal(full[0], out[0]) and torch.equal(full[2], out[2])  # `active` changes no active row
+
+    # Row 0 keeps its input and routing; every other row's values, routing and activity change.
+    other_x, other_ids, other_weights = _routing(4, gen, dtype)
+    other_x[0], other_ids[0], other_weights[0] = x[0], ids[0], weights[0]
+    other = moe_rows(other_x, other_ids, other_weights, gate_up, down, torch.tensor([True, True, False, True]))
+    assert torch.equal(other[0], out[0])
+    again = moe_rows(x, ids, weights, gate_up, down, active)
+    assert torch.equal(again, out)  # run to run
+
+
+def check_grouped_match_reference():
+    import torch
+
+    from qwen4exp.engine.model.moe_kernels import group_pairs_by_expert, moe_grouped
+
+    for dtype_name in ("bfloat16", "float16"):
+        gate_up, down, gen, dtype = _setup(dtype_name, seed=2)
+        for rows in (1, 5, 40):
+            x, ids, weights = _routing(rows, gen, dtype)
+            if rows == 40:
+                ids[:, 0] = 3  # one expert with more pairs than a row block, others with few or none
+                ids[:, 1] = torch.where(ids[:, 1] == 3, 4, ids[:, 1])
+            out = moe_grouped(x, ids, weights, gate_up, down)
+            assert out.dtype == dtype and out.shape == (rows, H)
+            err = _rel_err(out, _reference(x, ids, weights, gate_up, down))
+            assert err < REL_TOL, f"{dtype_name} T={rows}: rel err {err:.2e}"
+
+    # Layout: every pair once, grouped by expert in ascending pair order, each group a whole number of blocks.
+    ids = torch.tensor([[1, 0], [1, 3], [0, 1]])
+    pair_of_row, expert_of_block = group_pairs_by_expert(ids, num_experts=5, block_m=2)
+    assert pair_of_row.tolist() == [1, 4, 0, 2, 5, 6, 3, 6] + [6] * 8  # 6 = padding (the pair count)
+    assert expert_of_block.tolist() == [0, 1, 1, 3, 5, 5, 5, 5]  # 5 = past the last group
+
+
+def check_grouped_is_batch_invariant():
+    import torch
+
+    from qwen4exp.engine.model.moe_kernels import moe_grouped
+
+    gate_up, down, gen, dtype = _setup("bfloat16", seed=3)
+    x, ids, weights = _routing(40, gen, dtype)
+    whole = moe_grouped(x, ids, weights, gate_up, down)
+    assert torch.equal(moe_grouped(x[:7], ids[:7], weights[:7], gate_up, down), whole[:7])
+    assert torch.equal(moe_grouped(x, ids, weights, gate_up, down), whole)
+
+
+def check_experts_dispatch_keeps_cpu_paths():
+    """On the CPU, Experts runs its torch paths whatever the dtype (the kernels are for GPUs)."""
+    import torch
+
+    from qwen4exp.engine.model.moe import Experts
+
+    experts = Experts(E, H, I)
+    gate_up, down, gen, dtype = _setup("bfloat16", seed=4)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(gate_up.float())
+        experts.down_proj.copy_(down.float())
+    x, ids, weights = _routing(3, gen, torch.float32)
+    assert not experts._fused(x.to(dtype))
+    active = torch.tensor([True, False, True])
+    out = experts.forward_per_row(x, ids, weights, active)
+    assert torch.equal(out[1], torch.zeros(H)) and torch.equal(out[[0, 2]], experts.forward_per_row(x, ids, weights)[[0, 2]])
+
+
+CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
+
+
+@pytest.fixture(scope="module")
+def verdicts() -> dict[str, str]:
+    """Runs every check in one child process with TRITON_INTERPRET=1; {check name: "ok" or its traceback}."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    daemon = str(Path(__file__).resolve().parents[1] / "daemon")
+    env["PYTHONPATH"] = os.pathsep.join([daemon, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and lines, f"checker failed:\n{done.stdout}\n{done.stderr}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_kernel_check(verdicts, name):
+    assert verdicts.get(name) == "ok", verdicts.get(name, "not run")
+
+
+def _run_checks() -> None:
+    """Child process: TRITON_INTERPRET=1 is already in the environment, before anything imports Triton."""
+    import torch
+
+    torch.set_num_threads(1)
+    results = {}
+    for name, check in CHECKS.items():
+        try:
+            check()
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (the checks need Triton's interpreter)"
+    _run_checks()
