@@ -1,50 +1,101 @@
-"""Where a decode step and a prompt chunk spend their time on a GPU (torch profiler, top kernels).
+"""Where a decode step and a prompt chunk spend their time on a GPU.
 
-    python bench/profile_step.py --checkpoint DIR [--slots 4] [--busy 1] [--prompt 4096] --out profile.txt
+    python bench/profile_step.py [--checkpoint DIR | --layers 8] [--slots 4] [--prompt 4096] --out profile.txt
+
+1. decode ms per step (1 and `--slots` busy) for each decode mode: the CUDA graph, the eager step, and the
+   graph of the torch.compile'd step (`--compile`);
+2. the torch profiler's top ops for eager decode steps (each op's own time and the launch gaps show), then
+   for one prompt chunk.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from qwen4exp.checkpoint.random_weights import random_model
 from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.request import Request
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--slots", type=int, default=4)
-    parser.add_argument("--busy", type=int, default=1)
-    parser.add_argument("--prompt", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rows", type=int, default=30)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    model = load_model(args.checkpoint, dtype="bfloat16", device="cuda", progress=False)
-    engine = Engine(model, slots=args.slots, context=args.prompt + 4096, chunk=args.prompt)
-    g = torch.Generator().manual_seed(0)
-    limit = model.config.eos_token_id
-    requests = [engine.submit(Request(prompt_ids=torch.randint(0, limit, (args.prompt,), generator=g).tolist(),
-                                      max_tokens=4 * args.steps + 8)) for i in range(args.busy)]
+def submit_busy(engine: Engine, busy: int, prompt: int, tokens: int, limit: int, seed: int) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    requests = [engine.submit(Request(prompt_ids=torch.randint(0, limit, (prompt,), generator=g).tolist(),
+                                      max_tokens=tokens)) for _ in range(busy)]
     while any(not r.output_ids for r in requests):
         engine.step()
+    return requests
+
+
+def decode_ms(engine: Engine, busy: int, prompt: int, steps: int, limit: int) -> float:
+    requests = submit_busy(engine, busy, prompt, steps + 8, limit, seed=busy)
     for _ in range(3):
         engine.step()
-    report = []
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - started) / steps * 1000
+    engine.run_until_idle()
+    assert all(r.error is None for r in requests), [r.error for r in requests]
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checkpoint", help="a checkpoint directory; else random bench weights on the GPU")
+    parser.add_argument("--layers", type=int, default=8, help="without --checkpoint: bench preset layers")
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--rows", type=int, default=40)
+    parser.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.checkpoint:
+        model = load_model(args.checkpoint, dtype="bfloat16", device="cuda", progress=False)
+    else:
+        model = random_model("bench", args.layers, torch.bfloat16, "cuda")
+    limit = model.config.eos_token_id
+    context = args.prompt + 2 * args.steps + 64
+    report, timings = [], {}
+    modes = {"graph": {}, "eager": {"cuda_graphs": False}}
+    if args.compile:
+        modes["compiled graph"] = {"compile_decode": True}
+    for mode, options in modes.items():
+        try:
+            started = time.perf_counter()
+            engine = Engine(model, slots=args.slots, context=context, chunk=args.prompt, **options)
+            ready = time.perf_counter() - started
+            timings[mode] = {"start_s": round(ready, 2)} | {
+                f"{busy}_busy_ms": round(decode_ms(engine, busy, 64, args.steps, limit), 3)
+                for busy in (1, args.slots)}
+        except Exception as err:  # noqa: BLE001 - report the mode that failed, keep the others
+            timings[mode] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+        print(mode, timings[mode], flush=True)
+        del engine
+    report.append(json.dumps(timings, indent=1))
+
+    engine = Engine(model, slots=args.slots, context=context, chunk=args.prompt, cuda_graphs=False)
+    requests = submit_busy(engine, 1, args.prompt, 4 * args.steps, limit, seed=0)
+    for _ in range(3):
+        engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
+        for _ in range(10):
             engine.step()
         torch.cuda.synchronize()
-    report.append(f"== {args.steps} decode steps, {args.busy} busy of {args.slots} slots, context {args.prompt}")
+    report.append(f"== 10 eager decode steps, 1 busy of {args.slots} slots, context {args.prompt}")
     report.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
     for r in requests:
         engine.cancel(r.id)
     engine.run_until_idle()
+    g = torch.Generator().manual_seed(7)
     fresh = engine.submit(Request(prompt_ids=torch.randint(0, limit, (args.prompt,), generator=g).tolist(),
                                   max_tokens=1))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -20,7 +20,8 @@ log = logging.getLogger("qwen4exp.engine")
 
 
 class DecodeRunner:
-    def __init__(self, model: Qwen4ExpForCausalLM, states: StateBatch, device: torch.device, graph: bool):
+    def __init__(self, model: Qwen4ExpForCausalLM, states: StateBatch, device: torch.device, graph: bool,
+                 compile: bool = False):
         rows = len(states.rows)
         self.model, self.states, self.device = model, states, device
         pinned = device.type == "cuda"
@@ -32,12 +33,16 @@ class DecodeRunner:
         self.graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
         self.capture_seconds = 0.0
+        # torch.compile fuses the step's many small element-wise kernels (GPU only; traced once per engine).
+        self._step = torch.compile(model.decode_rows_impl, dynamic=False) if compile and pinned else \
+            model.decode_rows_impl
         if graph and device.type == "cuda":
             self._capture()
 
     def _run(self) -> torch.Tensor:
         i = self._inputs
-        return self.model.decode_rows(i["tokens"], i["positions"], i["active"], self.states, self.rope)
+        with torch.inference_mode():
+            return self._step(i["tokens"], i["positions"], i["active"], self.states, self.rope)
 
     def _capture(self) -> None:
         started = time.perf_counter()

@@ -31,7 +31,7 @@ log = logging.getLogger("qwen4exp.engine")
 class Engine:
     def __init__(self, model: Qwen4ExpForCausalLM, slots: int = 4, context: int = 4096, chunk: int = 512,
                  restore_spacing: int | None = None, queue_limit: int = 64, tokenizer=None,
-                 prefix_cache: PrefixCache | None = None, cuda_graphs: bool = True):
+                 prefix_cache: PrefixCache | None = None, cuda_graphs: bool = True, compile_decode: bool = False):
         cfg = model.config
         spacing = restore_spacing or (prefix_cache.spacing if prefix_cache is not None else chunk)
         if not 1 <= slots <= 8:
@@ -53,7 +53,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = model.lm_head.weight.device
         self.pool = SlotPool.allocate(model, slots, context)
-        self.decoder = DecodeRunner(model, self.pool.states, self.device, graph=cuda_graphs)
+        self.decoder = DecodeRunner(model, self.pool.states, self.device, graph=cuda_graphs, compile=compile_decode)
         self.queue_limit = queue_limit
         self._queue: collections.deque[Request] = collections.deque()
         self._cancelled: set[str] = set()

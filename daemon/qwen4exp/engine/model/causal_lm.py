@@ -99,6 +99,10 @@ class Qwen4ExpForCausalLM(nn.Module):
         indexer writes land at their own length, which is never read before it is written again).
         Returns logits [N, V]; a row's logits depend only on its own sequence. Lengths are the caller's
         to advance. Captured once per engine as a CUDA graph on GPUs."""
+        return self.decode_rows_impl(token_ids, positions, active, states, rope)
+
+    def decode_rows_impl(self, token_ids, positions, active, states: StateBatch, rope) -> torch.Tensor:
+        """decode_rows without its inference-mode wrapper (what torch.compile traces)."""
         positions = positions.clamp(0, states.capacity - 1)
         step = DecodeRows(token_ids, positions, active, rope[0], rope[1], states)
         streams = self.model.embed_tokens(token_ids).repeat(1, self.config.hc_count)

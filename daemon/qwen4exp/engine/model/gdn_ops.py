@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import gdn_decode_kernel
+
 try:  # flash-linear-attention: optional, GPU only.
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as _fla_recurrent
@@ -117,14 +119,13 @@ def _fla_gated_delta_rule(q, k, v, g, beta, state):
     return out[0]
 
 
-def gated_delta_rule_rows(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token for each of N sequences at once: q,k [N, Hk, dk], v [N, Hv, dv], g/beta [N, Hv], state
-    [N, Hv, dk, dv] float32 (left as it is). Returns (o [N, Hv, dv], the advanced state). Fixed shapes and
-    no host synchronisation, so a decode step can be captured in a CUDA graph."""
-    if _fla_recurrent is not None and q.is_cuda and v.dtype != torch.float32:
-        out, final = _fla_recurrent(q[:, None], k[:, None], v[:, None], g=g[:, None].float(), beta=beta[:, None],
-                                    initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
-        return out[:, 0], final
+def gated_delta_rule_rows(q, k, v, g, beta, active: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One token for each of N sequences at once: q,k [N, Hk, dk], v [N, Hv, dv], g/beta [N, Hv], active [N]
+    bool, state [N, Hv, dk, dv] float32, advanced in place for the active rows only. Returns o [N, Hv, dv].
+    Fixed shapes and no host synchronisation, so a decode step can be captured in a CUDA graph.
+    Half-precision models on a GPU use our Triton step (in place, idle rows skipped); the rest this torch form."""
+    if q.is_cuda and v.dtype != torch.float32 and gdn_decode_kernel.available():
+        return gdn_decode_kernel.decode_step(q, k, v, g, beta, active, state)
     groups = v.shape[1] // k.shape[1]
     q, k = q.repeat_interleave(groups, dim=1).float(), k.repeat_interleave(groups, dim=1).float()
     q, k = _l2norm(q), _l2norm(k)
@@ -133,4 +134,5 @@ def gated_delta_rule_rows(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.
     predicted = torch.einsum("nhk,nhkv->nhv", k, s)
     delta = (v.float() - predicted) * beta.float()[..., None]
     s = s + k[..., :, None] * delta[..., None, :]
-    return torch.einsum("nhk,nhkv->nhv", q, s).to(v.dtype), s
+    state.copy_(torch.where(active[:, None, None, None], s, state))
+    return torch.einsum("nhk,nhkv->nhv", q, s).to(v.dtype)

@@ -1,0 +1,70 @@
+"""The gated delta rule's decode step for N sequences at once, in Triton, updating the state in place.
+
+flash-linear-attention's recurrent kernel returns a new final state, so a decode step that must leave idle
+rows untouched would read and write every row's float32 state (3 MB per row and layer on the shipped model)
+three more times to blend old and new. This kernel reads and writes each active row's state once, in place,
+and skips idle rows altogether. Same arithmetic as fla's recurrent kernel: q and k L2-normalised in float32,
+q scaled by 1/sqrt(d_k), then per value column S <- exp(g) S; S <- S + k (beta (v - k^T S))^T; o = q^T S.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Optional: CPU-only installs use the torch form in gdn_ops.
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    triton = tl = None
+
+BLOCK_V = 32
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, active_ptr, state_ptr, out_ptr, scale,
+                     K_HEADS: tl.constexpr, V_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                     BLOCK_V: tl.constexpr):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        block = tl.program_id(2)
+        cols = block * BLOCK_V + tl.arange(0, BLOCK_V)
+        dk = tl.arange(0, DK)
+        if tl.load(active_ptr + row) == 0:
+            return                                     # an idle row: its state stays, its output is unused
+        k_head = head // (V_HEADS // K_HEADS)
+        q = tl.load(q_ptr + (row * K_HEADS + k_head) * DK + dk).to(tl.float32)
+        k = tl.load(k_ptr + (row * K_HEADS + k_head) * DK + dk).to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+        v = tl.load(v_ptr + (row * V_HEADS + head) * DV + cols).to(tl.float32)
+        g = tl.load(g_ptr + row * V_HEADS + head).to(tl.float32)
+        beta = tl.load(beta_ptr + row * V_HEADS + head).to(tl.float32)
+        s_ptrs = state_ptr + ((row * V_HEADS + head) * DK + dk[:, None]).to(tl.int64) * DV + cols[None, :]
+        s = tl.load(s_ptrs) * tl.exp(g)
+        delta = beta * (v - tl.sum(s * k[:, None], axis=0))
+        s = s + k[:, None] * delta[None, :]
+        tl.store(s_ptrs, s)
+        out = tl.sum(s * q[:, None], axis=0)
+        tl.store(out_ptr + (row * V_HEADS + head) * DV + cols, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                active: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """q,k [N, Hk, dk], v [N, Hv, dv], g/beta [N, Hv], active [N] bool, state [N, Hv, dk, dv] float32
+    (advanced in place for active rows). Returns o [N, Hv, dv] in v's dtype (zeros for idle rows)."""
+    rows, k_heads, dk = q.shape
+    v_heads, dv = v.shape[1], v.shape[2]
+    if dv % BLOCK_V or dk & (dk - 1) or not state.is_contiguous():
+        raise ValueError(f"unsupported shapes for the decode kernel: dk {dk}, dv {dv}")
+    out = torch.zeros_like(v)
+    _step_kernel[(rows, v_heads, dv // BLOCK_V)](
+        q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous(),
+        active.contiguous().view(torch.uint8), state, out, dk ** -0.5,
+        K_HEADS=k_heads, V_HEADS=v_heads, DK=dk, DV=dv, BLOCK_V=BLOCK_V, num_warps=4)
+    return out
