@@ -140,12 +140,15 @@ class QSAAttention(nn.Module):
         if selected is None:
             token = torch.arange(end, device=x.device)
             selected = token[None, :] <= (start + torch.arange(n, device=x.device))[:, None]
+        # Query heads grouped under their K/V head; K/V and the mask are broadcast (stride 0), not copied:
+        # at a 200K-token prefix a copy per query head would be gigabytes per chunk.
         groups = self.heads // self.kv_heads
-        keys = state.keys[:, :end].repeat_interleave(groups, dim=0)
-        values = state.values[:, :end].repeat_interleave(groups, dim=0)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=selected[None],
+        q = q.transpose(0, 1).reshape(self.kv_heads, groups, n, self.head_dim)
+        keys = state.keys[:, None, :end].expand(-1, groups, -1, -1)
+        values = state.values[:, None, :end].expand(-1, groups, -1, -1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=selected[None, None],
                                              scale=self.head_dim ** -0.5)
-        out = out.transpose(0, 1).reshape(n, self.heads * self.head_dim)
+        out = out.reshape(self.heads, n, self.head_dim).transpose(0, 1).reshape(n, self.heads * self.head_dim)
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
 
     def decode_rows(self, x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
