@@ -1,6 +1,7 @@
 """Issue 5's worst case, on any device: fit the context under a memory cap, then run it full.
 
-    python bench/worst_case.py --checkpoint DIR --device cuda --dtype bfloat16 --memory-limit 64GiB --out worst.json
+    python bench/worst_case.py (--checkpoint DIR | --random-weights --layers 4) --device cuda --dtype bfloat16 \
+        --memory-limit-gib 32 --out worst.json
 
 1. `max_ctx = "auto"` with 4 slots under the cap (the fit measures and verifies on this device);
 2. the budget model's verdict at the fitted context + 4096 (it must miss: the fit is tight);
@@ -17,7 +18,6 @@ import time
 
 import torch
 
-from qwen4exp.config.sizes import parse_size
 from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.fit import fit_context
 from qwen4exp.engine.loading import load_model, resolve_device
@@ -43,18 +43,26 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--checkpoint", required=True)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint")
+    source.add_argument("--random-weights", action="store_true", help="bench preset weights built in place")
+    parser.add_argument("--preset", default="bench", help="with --random-weights")
+    parser.add_argument("--layers", type=int, default=4, help="with --random-weights")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--memory-limit", required=True, help="the cap, e.g. 32GiB")
+    parser.add_argument("--memory-limit-gib", type=float, required=True, help="the cap in GiB, e.g. 32")
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    device, limit = resolve_device(args.device), parse_size(args.memory_limit)
+    device, limit = resolve_device(args.device), int(args.memory_limit_gib * 2**30)
     set_device_memory_limit(device, limit)
-    model = load_model(args.checkpoint, dtype=args.dtype, device=device, progress=False)
+    if args.checkpoint:
+        model = load_model(args.checkpoint, dtype=args.dtype, device=device, progress=False)
+    else:
+        from qwen4exp.checkpoint.random_weights import random_model
+        model = random_model(args.preset, args.layers, getattr(torch, args.dtype), device)
     fit = fit_context(model, slots=args.slots, device=device, memory_limit=limit,
                       chunk_floor=-(-args.chunk // 256) * 256, snapshots_on_device=device.type == "cpu")
     context = fit.context
