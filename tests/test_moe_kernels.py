@@ -151,7 +151,8 @@ def check_experts_dispatch_keeps_cpu_paths():
     assert not experts._fused(x.to(dtype))
     active = torch.tensor([True, False, True])
     out = experts.forward_per_row(x, ids, weights, active)
-    assert torch.equal(out[1], torch.zeros(H)) and torch.equal(out[[0, 2]], experts.forward_per_row(x, ids, weights)[[0, 2]])
+    assert torch.equal(out[1], torch.zeros(H))
+    assert torch.equal(out[[0, 2]], experts.forward_per_row(x, ids, weights)[[0, 2]])
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
@@ -163,7 +164,8 @@ def verdicts() -> dict[str, str]:
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     daemon = str(Path(__file__).resolve().parents[1] / "daemon")
     env["PYTHONPATH"] = os.pathsep.join([daemon, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0 and lines, f"checker failed:\n{done.stdout}\n{done.stderr}"
     return json.loads(lines[-1])

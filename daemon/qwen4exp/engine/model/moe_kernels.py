@@ -31,15 +31,22 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
-# Decode (moe_rows). Weight-bandwidth bound: each program streams BLOCK_N weight rows of one expert with
-# [BLOCK_N, BLOCK_K] tiles (BLOCK_K along the contiguous axis: 16-byte loads per thread), and the grid has
-# enough programs at T=1 to keep every SM's memory pipe full (k * I/BLOCK_N for gate/up, k * H/BLOCK_N for
-# down). Fixed, never tuned per call: results must not depend on T.
+# Fixed configs, never tuned per call: results must not depend on T. Chosen by the arithmetic below and
+# checked in sm_90 SASS (16-byte loads, no spills); not yet timed on an H200 (`--bench` does that).
+#
+# Decode (moe_rows) is weight-bandwidth bound. Each program streams BLOCK_N weight rows of one expert in
+# [BLOCK_N, BLOCK_K] tiles, BLOCK_K along the contiguous axis (one 16-byte load per thread per 8 values),
+# all of a tile's loads issued before its FMAs. At T=1 (k=10, H=2560, I=640): gate/up runs 10 * 640/8 = 800
+# programs, each 5 tiles of 16 KB (gate + up); down runs 10 * 2560/16 = 1600 programs of 5 tiles of 4 KB.
+# Gate/up compiles to ~165 registers (3 programs resident per SM, ~48 KB of loads in flight per SM); 4.8 TB/s
+# at ~1 us of latency needs ~36 KB per SM of 132.
 ROWS_GATE_UP = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)
 ROWS_DOWN = dict(BLOCK_N=16, BLOCK_K=128, num_warps=4)
 COMBINE = dict(BLOCK=1024, num_warps=4)
 
-# Prefill (moe_grouped): tensor-core tiles. BLOCK_M also pads each expert's group of pairs.
+# Prefill (moe_grouped): tensor-core (wgmma) tiles with 4-stage cp.async pipelining. BLOCK_M also pads each
+# expert's group of pairs: at T=16384, k=10, E=512 a group averages 320 pairs, so 64 wastes ~10% on padding.
+# Gate/up holds two [64, 64] fp32 accumulators (gate and up for the same features, for the SwiGLU epilogue).
 GROUPED_BLOCK_M = 64
 GROUPED_GATE_UP = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
 GROUPED_DOWN = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
@@ -90,7 +97,8 @@ if triton is not None:
 
     @triton.jit
     def _rows_gate_up_kernel(x_ptr, ids_ptr, active_ptr, w_ptr, h_ptr, hidden, inter, top_k,
-                             INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """h[pair, n] = silu(gate_n . x_row) * (up_n . x_row) for one (row, slot) pair and BLOCK_N features."""
         pair = tl.program_id(0)
         block_n = tl.program_id(1)
@@ -160,7 +168,7 @@ if triton is not None:
         ok = feat < limit
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         y_ptrs = y_ptr + row.to(tl.int64) * top_k * hidden + feat
-        for _slot in range(0, top_k):
+        for _slot in range(top_k):
             acc += tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
             y_ptrs += hidden
         tl.store(out_ptr + row.to(tl.int64) * hidden + feat, _round(acc, out_ptr.dtype.element_ty, INTERPRETED),
@@ -344,6 +352,8 @@ def _bench() -> None:
     """Bench-sized random bf16 experts on the GPU: each kernel against moe.py's torch path (errors), the
     contracts the engine relies on (determinism, row independence, CUDA-graph replay, idle rows), and
     median timings from triton.testing.do_bench (L2 flushed between runs)."""
+    from functools import partial
+
     from .moe import Experts
 
     experts_n, hidden, inter, top_k = 512, 2560, 640, 10
@@ -378,8 +388,8 @@ def _bench() -> None:
         got = moe_rows(x, ids, weights, gate_up, down)
         want = experts.forward_per_row_torch(x, ids, weights)
         again = moe_rows(x, ids, weights, gate_up, down)
-        ms = triton.testing.do_bench(lambda: moe_rows(x, ids, weights, gate_up, down), return_mode="median")
-        torch_ms = triton.testing.do_bench(lambda: experts.forward_per_row_torch(x, ids, weights),
+        ms = triton.testing.do_bench(partial(moe_rows, x, ids, weights, gate_up, down), return_mode="median")
+        torch_ms = triton.testing.do_bench(partial(experts.forward_per_row_torch, x, ids, weights),
                                            return_mode="median")
         moved = torch.unique(ids).numel() * expert_bytes + 2 * x.numel() * x.element_size()
         print(f"  T={rows}: {errors(got, want)}; deterministic {torch.equal(got, again)}; "
@@ -399,7 +409,7 @@ def _bench() -> None:
     moe_rows(*static, gate_up, down, active)  # compiled before the capture
     with torch.cuda.graph(graph):
         captured = moe_rows(*static, gate_up, down, active)
-    for buffer, value in zip(static, (other_x, other_ids, other_weights)):
+    for buffer, value in zip(static, (other_x, other_ids, other_weights), strict=True):
         buffer.copy_(value)
     graph.replay()
     print(f"  CUDA graph replay equals eager: {torch.equal(captured, other)}")
@@ -411,14 +421,13 @@ def _bench() -> None:
         want = experts.forward_torch(x, ids, weights)
         again = moe_grouped(x, ids, weights, gate_up, down)
         head = moe_grouped(x[:100], ids[:100], weights[:100], gate_up, down)
-        ms = triton.testing.do_bench(lambda: moe_grouped(x, ids, weights, gate_up, down), return_mode="median")
-        torch_ms = triton.testing.do_bench(lambda: experts.forward_torch(x, ids, weights), rep=200,
+        ms = triton.testing.do_bench(partial(moe_grouped, x, ids, weights, gate_up, down), return_mode="median")
+        torch_ms = triton.testing.do_bench(partial(experts.forward_torch, x, ids, weights), rep=200,
                                            return_mode="median")
         flops = 2 * rows * top_k * 3 * hidden * inter
         print(f"  T={rows}: {errors(got, want)}; deterministic {torch.equal(got, again)}; "
               f"batch-invariant {torch.equal(head, got[:100])}; {ms:.2f} ms = {flops / ms / 1e9:.0f} TFLOP/s "
               f"(torch loop {torch_ms:.1f} ms)")
-        del x, ids, weights, got, want, again
     print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 
