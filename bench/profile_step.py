@@ -69,6 +69,7 @@ def main() -> None:
     if args.compile:
         modes["compiled graph"] = {"compile_decode": True}
     for mode, options in modes.items():
+        engine = None
         try:
             started = time.perf_counter()
             engine = Engine(model, slots=args.slots, context=context, chunk=args.prompt, **options)

@@ -21,7 +21,7 @@ import torch
 from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.fit import fit_context
 from qwen4exp.engine.loading import load_model, resolve_device
-from qwen4exp.engine.memory import set_device_memory_limit
+from qwen4exp.engine.memory import release_cached_blocks, set_device_memory_limit
 from qwen4exp.engine.request import Request
 
 
@@ -57,12 +57,15 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device, limit = resolve_device(args.device), int(args.memory_limit_gib * 2**30)
-    set_device_memory_limit(device, limit)
     if args.checkpoint:
+        set_device_memory_limit(device, limit)
         model = load_model(args.checkpoint, dtype=args.dtype, device=device, progress=False)
     else:
         from qwen4exp.checkpoint.random_weights import random_model
+        # Drawn in float32 first: build, then cap (a load from disk stays under the cap throughout).
         model = random_model(args.preset, args.layers, getattr(torch, args.dtype), device)
+        set_device_memory_limit(device, limit)
+        release_cached_blocks(device)
     fit = fit_context(model, slots=args.slots, device=device, memory_limit=limit,
                       chunk_floor=-(-args.chunk // 256) * 256, snapshots_on_device=device.type == "cpu")
     context = fit.context

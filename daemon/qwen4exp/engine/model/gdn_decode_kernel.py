@@ -60,11 +60,12 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     (advanced in place for active rows). Returns o [N, Hv, dv] in v's dtype (zeros for idle rows)."""
     rows, k_heads, dk = q.shape
     v_heads, dv = v.shape[1], v.shape[2]
-    if dv % BLOCK_V or dk & (dk - 1) or not state.is_contiguous():
+    block_v = min(BLOCK_V, dv)
+    if dv % block_v or block_v & (block_v - 1) or dk & (dk - 1) or not state.is_contiguous():
         raise ValueError(f"unsupported shapes for the decode kernel: dk {dk}, dv {dv}")
     out = torch.zeros_like(v)
-    _step_kernel[(rows, v_heads, dv // BLOCK_V)](
+    _step_kernel[(rows, v_heads, dv // block_v)](
         q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous(),
-        active.contiguous().view(torch.uint8), state, out, dk ** -0.5,
-        K_HEADS=k_heads, V_HEADS=v_heads, DK=dk, DV=dv, BLOCK_V=BLOCK_V, num_warps=4)
+        active.to(torch.uint8), state, out, dk ** -0.5,
+        K_HEADS=k_heads, V_HEADS=v_heads, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=4)
     return out
