@@ -106,8 +106,11 @@ def release(device: torch.device) -> None:
 
 
 def commit() -> str | None:
-    """`git rev-parse --short HEAD` of this repository (+ "-dirty" with local changes), else $QWEN4EXP_COMMIT."""
+    """$QWEN4EXP_COMMIT when set (a copied tree's .git may not be the tree's own), else `git rev-parse --short
+    HEAD` of this repository (+ "-dirty" with local changes)."""
     root = Path(__file__).resolve().parent.parent
+    if os.environ.get("QWEN4EXP_COMMIT"):
+        return os.environ["QWEN4EXP_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()

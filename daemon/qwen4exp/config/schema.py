@@ -168,6 +168,8 @@ class Settings(BaseSettings):
                            "Prompt tokens per prefill forward; `auto`: 512 on a GPU target, 64 on the CPU.")
     cuda_graphs: bool = _field(True, "true or false",
                                "Replay each decode step from a CUDA graph on a GPU target; `false` runs it eagerly.")
+    compile_decode: bool = _field(False, "true or false",
+                                  "torch.compile the decode step on a GPU target (fewer, fused kernels; slower start).")
     device_memory_limit: OptionalSize = _field(
         None, "a size like '120GiB', or 'none'", "Cap on what qwen4exp allocates on each device it uses.")
     park_after_idle: Seconds = _field(None, "seconds, a duration like '30m', or 'never'",

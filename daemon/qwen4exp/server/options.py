@@ -19,6 +19,7 @@ class EngineOptions:
     device_memory_limit: int | None = None
     queue_limit: int = 64
     cuda_graphs: bool = True
+    compile_decode: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -22,6 +22,7 @@ def engine_options(settings, resolve_model) -> EngineOptions:
         device_memory_limit=settings.memory_limit_for(target),
         queue_limit=settings.server.queue_limit,
         cuda_graphs=settings.cuda_graphs,
+        compile_decode=settings.compile_decode,
     )
 
 

@@ -58,7 +58,8 @@ class Worker:
             self.cache = PrefixCache(spacing, limit, backend, model.config.indexer_compress_ratio)
         self.engine = Engine(model, slots=o["slots"], context=context, chunk=o["chunk"], restore_spacing=spacing,
                              tokenizer=Tokenizer.from_dir(o["model"]), prefix_cache=self.cache,
-                             queue_limit=o["queue_limit"], cuda_graphs=o["cuda_graphs"])
+                             queue_limit=o["queue_limit"], cuda_graphs=o["cuda_graphs"],
+                             compile_decode=o["compile_decode"])
         self.engine.start()
         return {"context": context, "plan": self.plan, "load_seconds": round(time.perf_counter() - started, 3),
                 "device": str(device), "vocab_size": model.config.vocab_size,
