@@ -12,6 +12,7 @@ from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.request import FinishReason, QueueFull, Request, RequestRejected
 from qwen4exp.engine.sampling import SamplingParams
 from qwen4exp.tokenizer import Tokenizer
+from staggered import run_staggered
 
 SLOTS, CONTEXT, CHUNK = 4, 512, 32
 
@@ -56,13 +57,7 @@ def test_alone_equals_together_bitwise(model, seed):
     rng = random.Random(seed)
     specs = [_spec(rng) for _ in range(7)]
     starts = sorted(rng.randint(0, 25) for _ in specs)
-    engine = _engine(model)
-    requests, step = [], 0
-    while len(requests) < len(specs) or not engine.idle:
-        while len(requests) < len(specs) and starts[len(requests)] <= step:
-            requests.append(engine.submit(Request(**specs[len(requests)])))
-        engine.step()
-        step += 1
+    requests = run_staggered(_engine(model), specs, starts)
     for spec, request in zip(specs, requests):
         assert request.output_ids == _alone(model, spec), f"request with a {len(spec['prompt_ids'])}-token prompt"
 

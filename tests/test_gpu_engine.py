@@ -12,9 +12,9 @@ import torch
 from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.prefix_cache import PrefixCache
-from qwen4exp.engine.request import Request
 from qwen4exp.engine.sampling import SamplingParams
 from qwen4exp.engine.snapshot import SnapshotBackend
+from staggered import run_staggered
 
 pytestmark = pytest.mark.gpu
 DTYPES = ("float32", "bfloat16")
@@ -42,12 +42,7 @@ def _specs() -> list[dict]:
 
 
 def _run(engine: Engine, specs: list[dict], starts: list[int]) -> list[list[int]]:
-    requests, step = [], 0
-    while len(requests) < len(specs) or not engine.idle:
-        while len(requests) < len(specs) and starts[len(requests)] <= step:
-            requests.append(engine.submit(Request(**specs[len(requests)])))
-        engine.step()
-        step += 1
+    requests = run_staggered(engine, specs, starts)
     assert all(r.error is None for r in requests)
     return [r.output_ids for r in requests]
 

@@ -49,29 +49,19 @@ SAMPLINGS = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "seeded"])
-def test_resent_prompt_is_warm_and_equals_cold(model, sampling):
-    prompt = _prompt(150, seed=1)
+@pytest.mark.parametrize("length, cached", [(150, 144), (160, 160)], ids=["off-grid", "on-grid"])
+def test_resent_prompt_is_warm_and_equals_cold(model, sampling, length, cached):
+    """Off the restore grid the warm run restores the last restore point (144) and runs the rest; a prompt
+    ending on a restore point comes back whole, with its last logits: no token runs again."""
+    prompt = _prompt(length, seed=length)
     cold_reference, = _run(_engine(model), Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
     cache = _cache(model)
     engine = _engine(model, cache)
     cold, = _run(engine, Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
     warm, = _run(engine, Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
-    assert cold.cached_tokens == 0 and warm.cached_tokens == 144          # the last restore point below 150
+    assert cold.cached_tokens == 0 and warm.cached_tokens == cached
     assert warm.output_ids == cold.output_ids == cold_reference.output_ids
     assert cache.counters.restores == 1 and cache.counters.refused == 0
-
-
-@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "seeded"])
-def test_prompt_resent_whole_is_restored_whole_and_equals_cold(model, sampling):
-    """A prompt that ends on a restore point comes back with its last logits: no token is run again."""
-    prompt = _prompt(160, seed=7)
-    cold_reference, = _run(_engine(model), Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
-    cache = _cache(model)
-    engine = _engine(model, cache)
-    cold, = _run(engine, Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
-    warm, = _run(engine, Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
-    assert warm.cached_tokens == 160
-    assert warm.output_ids == cold.output_ids == cold_reference.output_ids
     one_token, = _run(engine, Request(prompt_ids=prompt, max_tokens=1, sampling=sampling))
     assert one_token.output_ids == cold.output_ids[:1] and one_token.finish_reason.value == "length"
 
