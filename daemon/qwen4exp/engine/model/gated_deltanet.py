@@ -9,6 +9,7 @@ from torch import nn
 
 from ..state import DeltaNetState
 from .config import ModelConfig
+from .conv_step import causal_conv_step
 from .gdn_ops import gated_delta_rule, gated_delta_rule_rows
 from .norms import GatedRMSNorm
 
@@ -50,10 +51,7 @@ class GatedDeltaNet(nn.Module):
         """One token for each of N sequences: x [N, H], state batched (conv [N, C, K-1], recurrent
         [N, Hv, dk, dv]); only rows with `active` advance their state."""
         n = x.shape[0]
-        window = torch.cat((state.conv, self.in_proj_qkv(x)[:, :, None]), dim=-1)
-        conv = (window.float() * self.conv1d.weight[:, 0].float()).sum(-1)
-        mixed = F.silu(conv.to(x.dtype))
-        state.conv.copy_(torch.where(active[:, None, None], window[:, :, 1:], state.conv))
+        mixed = causal_conv_step(state.conv, self.in_proj_qkv(x), self.conv1d.weight, 1, active)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(n, self.k_heads, self.dk), k.reshape(n, self.k_heads, self.dk)
         v = v.reshape(n, self.v_heads, self.dv)

@@ -16,6 +16,7 @@ from torch import nn
 from ..state import PLEState
 from . import ngram_hash
 from .config import ModelConfig
+from .conv_step import causal_conv_step
 from .norms import RMSNorm
 
 
@@ -127,12 +128,8 @@ class PLELayer(nn.Module):
         """One token per row (streams [N, hc*H], batched state) -> the PLE term [N, hc*H]."""
         embeddings = self.ple_embedding.decode_rows(token_ids, state, active)
         gated = self._gated(streams, embeddings)
-        x = self.norm_conv(gated)
-        window = torch.cat((state.conv, x[:, :, None]), dim=-1)
-        taps = window[:, :, ::self.conv1d.dilation[0]]
-        conv = (taps.float() * self.conv1d.weight[:, 0].float()).sum(-1).to(x.dtype)
-        state.conv.copy_(torch.where(active[:, None, None], window[:, :, 1:], state.conv))
-        return gated + F.silu(conv)
+        return gated + causal_conv_step(state.conv, self.norm_conv(gated), self.conv1d.weight,
+                                        self.conv1d.dilation[0], active)
 
     def _short_conv(self, x: torch.Tensor, state: PLEState) -> torch.Tensor:
         window = torch.cat((state.conv, x.t()), dim=-1)
