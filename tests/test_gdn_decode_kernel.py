@@ -1,6 +1,8 @@
-"""The Gated DeltaNet decode kernel (gdn_decode_kernel.py) on the CPU through Triton's interpreter, against
-the torch form the CPU engine uses: same outputs, the same advanced state for active rows, idle rows' state
-untouched. Run in a child process: TRITON_INTERPRET must be set before Triton is imported."""
+"""The Gated DeltaNet decode kernels on the CPU through Triton's interpreter, against the torch forms the CPU
+engine uses: the delta-rule step (gdn_decode_kernel.py: same outputs, the same advanced state for active rows,
+idle rows' state untouched, q/k/v read in place from the conv output), the causal conv step (conv_step.py, also
+PLE's dilated conv) and the gated output norm (gated_norm_kernel.py). Run in a child process: TRITON_INTERPRET
+must be set before Triton is imported."""
 
 from __future__ import annotations
 
@@ -17,21 +19,24 @@ if importlib.util.find_spec("triton") is None:
 
 CHILD = r"""
 import json, torch
-from qwen4exp.engine.model import gdn_decode_kernel, gdn_ops
+import torch.nn.functional as F
+from qwen4exp.engine.model import conv_step, gated_norm_kernel, gdn_decode_kernel, gdn_ops
+from qwen4exp.engine.model.norms import GatedRMSNorm
 results = {}
+gen = torch.Generator().manual_seed(0)
 for name in ("float32", "bfloat16"):
     dtype = getattr(torch, name)
-    gen = torch.Generator().manual_seed(0)
     n, hk, hv, dk, dv = 3, 2, 4, 16, 16   # the tiny model's head sizes (dv under the 32-wide block)
-    q, k = (torch.randn(n, hk, dk, generator=gen).to(dtype) for _ in range(2))
-    v = torch.randn(n, hv, dv, generator=gen).to(dtype)
-    g = -torch.rand(n, hv, generator=gen)
-    beta = torch.rand(n, hv, generator=gen).to(dtype)
+    conv_out = torch.randn(n, 2 * hk * dk + hv * dv, generator=gen).to(dtype)    # q, k, v side by side
+    q, k, v = torch.split(conv_out, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv))
+    a, b = (torch.randn(n, hv, generator=gen).to(dtype) for _ in range(2))
+    a_log, dt_bias = torch.randn(hv, generator=gen).to(dtype), torch.rand(hv, generator=gen).to(dtype)
     active = torch.tensor([True, False, True])
     state = torch.randn(n, hv, dk, dv, generator=gen)
     ours, theirs = state.clone(), state.clone()
-    out = gdn_decode_kernel.decode_step(q, k, v, g, beta, active, ours)
-    want = gdn_ops.gated_delta_rule_rows(q, k, v, g, beta, active, theirs)
+    out = gdn_decode_kernel.decode_step(q, k, v, a, b, a_log, dt_bias, active, ours)
+    want = gdn_ops.gated_delta_rule_rows(q, k, v, a, b, a_log, dt_bias, active, theirs)
     rows = active.nonzero().flatten()
     results[name] = {
         "out_err": (out[rows].float() - want[rows].float()).abs().max().item(),
@@ -41,6 +46,30 @@ for name in ("float32", "bfloat16"):
         "idle_out_zero": bool((out[1] == 0).all()),
         "state_moved": (ours[0] - state[0]).abs().max().item(),
     }
+    for label, taps, dilation in (("gdn conv", 4, 1), ("ple conv", 4, 3)):
+        channels = 40
+        kept = torch.randn(n, channels, (taps - 1) * dilation, generator=gen).to(dtype)
+        x = torch.randn(n, 2 * channels, generator=gen).to(dtype)[:, :channels]    # a row-strided view
+        weight = torch.randn(channels, 1, taps, generator=gen).to(dtype)
+        ours, theirs = kept.clone(), kept.clone()
+        got = conv_step.conv_step_kernel(ours, x, weight, dilation, active)
+        torch_out = conv_step.causal_conv_step(theirs, x, weight, dilation, active)
+        results[f"{name} {label}"] = {
+            "out_err": (got.float() - torch_out.float()).abs().max().item(),
+            "out_scale": torch_out.float().abs().max().item(),
+            "state_equal": bool(torch.equal(ours, theirs)),
+            "state_moved": bool(not torch.equal(ours[0], kept[0])),
+        }
+    norm = GatedRMSNorm(dv, 1e-6, "silu")
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(dv, generator=gen) + 0.5)
+    norm = norm.to(dtype)
+    x, z = (torch.randn(n * hv, dv, generator=gen).to(dtype) for _ in range(2))
+    with torch.inference_mode():
+        want = norm(x, z)
+    got = gated_norm_kernel.gated_norm(x, z, norm.weight, norm.eps, silu=True)
+    results[f"{name} gated norm"] = {"out_err": (got.float() - want.float()).abs().max().item(),
+                                     "out_scale": want.float().abs().max().item()}
 print(json.dumps(results))
 """
 
@@ -65,3 +94,19 @@ def test_decode_kernel_matches_the_torch_step(results, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_idle_rows_keep_their_state(results, dtype):
     assert results[dtype]["idle_state_kept"] and results[dtype]["idle_out_zero"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("conv", ["gdn conv", "ple conv"])
+def test_conv_step_kernel_matches_the_torch_step(results, dtype, conv):
+    r = results[f"{dtype} {conv}"]
+    assert r["state_equal"] and r["state_moved"], "active rows shift in the new input; idle rows keep theirs"
+    # Sums of 4 taps in float32 in another order: at most one rounding step of the output's dtype apart.
+    assert r["out_err"] <= (2 ** -7 if dtype == "bfloat16" else 1e-5) * max(1.0, r["out_scale"]), r
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gated_norm_kernel_matches_the_torch_norm(results, dtype):
+    r = results[f"{dtype} gated norm"]
+    assert r["out_scale"] > 0.1
+    assert r["out_err"] <= (2 ** -7 if dtype == "bfloat16" else 1e-5) * max(1.0, r["out_scale"]), r

@@ -63,12 +63,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, segments: list[SegmentView]) -> torch.Tensor:
         """Packed rows of several sequences; token mixing and PLE run per sequence over its own state."""
+        term = None
         if self.ple is not None:
             term = torch.zeros_like(streams)
             for s in segments:
                 term[s.rows] = self.ple(streams[s.rows], s.token_ids, s.state.ple[self.index])
-            streams = streams + term
-        mixed, gates = self.attn_hyper_connection.mix(streams)
+        streams, mixed, gates = self.attn_hyper_connection.update_and_mix(streams, add=term)
         mixer_out = torch.zeros_like(mixed)
         for s in segments:
             state = s.state.layers[self.index]
@@ -76,21 +76,19 @@ class DecoderLayer(nn.Module):
                 mixer_out[s.rows] = self.self_attn(mixed[s.rows], s.start, s.cos, s.sin, state)
             else:
                 mixer_out[s.rows] = self.linear_attn(mixed[s.rows], state)
-        streams = GatedResidual.inject(streams, mixer_out, gates)
-        mixed, gates = self.mlp_hyper_connection.mix(streams)
+        streams, mixed, gates = self.mlp_hyper_connection.update_and_mix(streams, inject=(mixer_out, gates))
         return GatedResidual.inject(streams, self.mlp(mixed), gates)
 
     def decode_rows(self, streams: torch.Tensor, step: DecodeRows) -> torch.Tensor:
         """The same layer for one token per row; every row's numbers depend on that row alone."""
+        term = None
         if self.ple is not None:
             term = self.ple.decode_rows(streams, step.token_ids, step.states.ple[self.index], step.active)
-            streams = streams + term
-        mixed, gates = self.attn_hyper_connection.mix(streams)
+        streams, mixed, gates = self.attn_hyper_connection.update_and_mix(streams, add=term)
         state = step.states.layers[self.index]
         if hasattr(self, "self_attn"):
             out = self.self_attn.decode_rows(mixed, step.positions, step.cos, step.sin, state, step.active)
         else:
             out = self.linear_attn.decode_rows(mixed, state, step.active)
-        streams = GatedResidual.inject(streams, out, gates)
-        mixed, gates = self.mlp_hyper_connection.mix(streams)
+        streams, mixed, gates = self.mlp_hyper_connection.update_and_mix(streams, inject=(out, gates))
         return GatedResidual.inject(streams, self.mlp(mixed, fixed_rows=True, active=step.active), gates)

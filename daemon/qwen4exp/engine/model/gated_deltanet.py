@@ -10,7 +10,7 @@ from torch import nn
 from ..state import DeltaNetState
 from .config import ModelConfig
 from .conv_step import causal_conv_step
-from .gdn_ops import gated_delta_rule, gated_delta_rule_rows
+from .gdn_ops import gated_delta_rule, gated_delta_rule_rows, gates
 from .norms import GatedRMSNorm
 
 
@@ -40,8 +40,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(n, self.k_heads, self.dk), k.reshape(n, self.k_heads, self.dk)
         v = v.reshape(n, self.v_heads, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        g, beta = gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
         core = gated_delta_rule(q, k, v, g, beta, state.recurrent)
         z = self.in_proj_z(x).reshape(n * self.v_heads, self.dv)
         core = self.norm(core.reshape(n * self.v_heads, self.dv), z)
@@ -55,9 +54,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(n, self.k_heads, self.dk), k.reshape(n, self.k_heads, self.dk)
         v = v.reshape(n, self.v_heads, self.dv)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        core = gated_delta_rule_rows(q, k, v, g, beta, active, state.recurrent)
+        core = gated_delta_rule_rows(q, k, v, self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias,
+                                     active, state.recurrent)
         z = self.in_proj_z(x).reshape(n * self.v_heads, self.dv)
         core = self.norm(core.reshape(n * self.v_heads, self.dv), z)
         return self.out_proj(core.reshape(n, self.value_dim))

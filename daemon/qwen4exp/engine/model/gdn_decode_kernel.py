@@ -5,6 +5,9 @@ rows untouched would read and write every row's float32 state (3 MB per row and 
 three more times to blend old and new. This kernel reads and writes each active row's state once, in place,
 and skips idle rows altogether. Same arithmetic as fla's recurrent kernel: q and k L2-normalised in float32,
 q scaled by 1/sqrt(d_k), then per value column S <- exp(g) S; S <- S + k (beta (v - k^T S))^T; o = q^T S.
+It also computes the gates from the raw projections (g = -exp(A_log) softplus(a + dt_bias) in float32,
+beta = sigmoid(b) rounded to the model dtype, as `gdn_ops.gates` does) and reads q, k and v in place from
+the conv output, saving a decode step some ten small kernels per layer.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ try:  # Optional: CPU-only installs use the torch form in gdn_ops.
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     triton = tl = None
 
+from .triton_round import interpreted  # noqa: E402
+
 BLOCK_V = 32
 
 
@@ -26,10 +31,12 @@ def available() -> bool:
 
 if triton is not None:
 
+    from .triton_round import rounded
+
     @triton.jit
-    def _step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, active_ptr, state_ptr, out_ptr, scale,
-                     K_HEADS: tl.constexpr, V_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                     BLOCK_V: tl.constexpr):
+    def _step_kernel(q_ptr, k_ptr, v_ptr, qkv_row_stride, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, active_ptr,
+                     state_ptr, out_ptr, scale, K_HEADS: tl.constexpr, V_HEADS: tl.constexpr, DK: tl.constexpr,
+                     DV: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_V: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)
         block = tl.program_id(2)
@@ -38,13 +45,16 @@ if triton is not None:
         if tl.load(active_ptr + row) == 0:
             return                                     # an idle row: its state stays, its output is unused
         k_head = head // (V_HEADS // K_HEADS)
-        q = tl.load(q_ptr + (row * K_HEADS + k_head) * DK + dk).to(tl.float32)
-        k = tl.load(k_ptr + (row * K_HEADS + k_head) * DK + dk).to(tl.float32)
+        q = tl.load(q_ptr + row * qkv_row_stride + k_head * DK + dk).to(tl.float32)
+        k = tl.load(k_ptr + row * qkv_row_stride + k_head * DK + dk).to(tl.float32)
         q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
         k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-        v = tl.load(v_ptr + (row * V_HEADS + head) * DV + cols).to(tl.float32)
-        g = tl.load(g_ptr + row * V_HEADS + head).to(tl.float32)
-        beta = tl.load(beta_ptr + row * V_HEADS + head).to(tl.float32)
+        v = tl.load(v_ptr + row * qkv_row_stride + head * DV + cols).to(tl.float32)
+        decay = tl.load(a_ptr + row * V_HEADS + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
+        decay = tl.where(decay > 20.0, decay, tl.log(1.0 + tl.exp(decay)))      # softplus, as torch's threshold
+        g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * decay
+        beta = tl.sigmoid(tl.load(b_ptr + row * V_HEADS + head).to(tl.float32))
+        beta = rounded(beta, out_ptr.dtype.element_ty, INTERPRETED)
         s_ptrs = state_ptr + ((row * V_HEADS + head) * DK + dk[:, None]).to(tl.int64) * DV + cols[None, :]
         s = tl.load(s_ptrs) * tl.exp(g)
         delta = beta * (v - tl.sum(s * k[:, None], axis=0))
@@ -54,18 +64,23 @@ if triton is not None:
         tl.store(out_ptr + (row * V_HEADS + head) * DV + cols, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                active: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """q,k [N, Hk, dk], v [N, Hv, dv], g/beta [N, Hv], active [N] bool, state [N, Hv, dk, dv] float32
+def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                a_log: torch.Tensor, dt_bias: torch.Tensor, active: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """q,k [N, Hk, dk], v [N, Hv, dv] (views of one [N, C] conv output row are fine), the raw gate projections
+    a/b [N, Hv], the per-head A_log and dt_bias [Hv], active [N] bool, state [N, Hv, dk, dv] float32
     (advanced in place for active rows). Returns o [N, Hv, dv] in v's dtype (zeros for idle rows)."""
     rows, k_heads, dk = q.shape
     v_heads, dv = v.shape[1], v.shape[2]
     block_v = min(BLOCK_V, dv)
+    row_stride = q.stride(0)
     if dv % block_v or block_v & (block_v - 1) or dk & (dk - 1) or not state.is_contiguous():
         raise ValueError(f"unsupported shapes for the decode kernel: dk {dk}, dv {dv}")
-    out = torch.zeros_like(v)
+    if k.stride(0) != row_stride or v.stride(0) != row_stride or q.stride()[1:] != (dk, 1) or \
+            k.stride()[1:] != (dk, 1) or v.stride()[1:] != (dv, 1):
+        raise ValueError("q, k and v must share one row stride, with heads contiguous inside a row")
+    out = torch.zeros_like(v, memory_format=torch.contiguous_format)
     _step_kernel[(rows, v_heads, dv // block_v)](
-        q.contiguous(), k.contiguous(), v.contiguous(), g.float().contiguous(), beta.contiguous(),
-        active.to(torch.uint8), state, out, dk ** -0.5,
-        K_HEADS=k_heads, V_HEADS=v_heads, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=4)
+        q, k, v, row_stride, a.contiguous(), b.contiguous(), a_log, dt_bias, active.to(torch.uint8), state, out,
+        dk ** -0.5, K_HEADS=k_heads, V_HEADS=v_heads, DK=dk, DV=dv, INTERPRETED=interpreted(v), BLOCK_V=block_v,
+        num_warps=4)
     return out

@@ -119,13 +119,21 @@ def _fla_gated_delta_rule(q, k, v, g, beta, state):
     return out[0]
 
 
-def gated_delta_rule_rows(q, k, v, g, beta, active: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """One token for each of N sequences at once: q,k [N, Hk, dk], v [N, Hv, dv], g/beta [N, Hv], active [N]
-    bool, state [N, Hv, dk, dv] float32, advanced in place for the active rows only. Returns o [N, Hv, dv].
-    Fixed shapes and no host synchronisation, so a decode step can be captured in a CUDA graph.
-    Half-precision models on a GPU use our Triton step (in place, idle rows skipped); the rest this torch form."""
+def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decay's log g (float32) and the write strength beta from the raw projections a and b [..., Hv]."""
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), torch.sigmoid(b)
+
+
+def gated_delta_rule_rows(q, k, v, a, b, a_log, dt_bias, active: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One token for each of N sequences at once: q,k [N, Hk, dk], v [N, Hv, dv], the raw gate projections
+    a/b [N, Hv] (see `gates`), active [N] bool, state [N, Hv, dk, dv] float32, advanced in place for the
+    active rows only. Returns o [N, Hv, dv]. Fixed shapes and no host synchronisation, so a decode step can be
+    captured in a CUDA graph. Half-precision models on a GPU use our Triton step (in place, idle rows
+    skipped, gates computed inside); the rest this torch form."""
     if q.is_cuda and v.dtype != torch.float32 and gdn_decode_kernel.available():
-        return gdn_decode_kernel.decode_step(q, k, v, g, beta, active, state)
+        return gdn_decode_kernel.decode_step(q, k, v, a, b, a_log, dt_bias, active, state)
+    g, beta = gates(a, b, a_log, dt_bias)
     groups = v.shape[1] // k.shape[1]
     q, k = q.repeat_interleave(groups, dim=1).float(), k.repeat_interleave(groups, dim=1).float()
     q, k = _l2norm(q), _l2norm(k)

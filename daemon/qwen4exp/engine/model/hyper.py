@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import hyper_kernels
 from .norms import RMSNorm
 
 
@@ -22,13 +23,37 @@ class GatedResidual(nn.Module):
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [T, hc*H] -> (sublayer input [T, H], per-stream injection gates [T, hc] or None)."""
+        return self.update_and_mix(streams)[1:]
+
+    def update_and_mix(self, streams: torch.Tensor, add: torch.Tensor | None = None,
+                       inject: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`mix` after first adding `add` [T, hc*H] or injecting (output, gates) into the streams; returns
+        (the new streams, sublayer input, gates). On GPUs the update, the norm and the mixing's element-wise
+        work run as two fused kernels around the two low-rank projections."""
+        if self._fused(streams):
+            streams, normed = hyper_kernels.norm_rows(streams, self.hc_norm.weight, self.hc_norm.eps, self.hidden,
+                                                      add, inject)
+            gate_logits = self.block_inject_weight(normed) if self.block_inject_weight is not None else None
+            mixed, gates = hyper_kernels.mix_streams(self.input_mix_weight_down(normed),
+                                                     self.input_mix_weight_up.weight, normed, self.hc_count,
+                                                     gate_logits)
+            return streams, mixed, gates
+        if add is not None:
+            streams = streams + add
+        elif inject is not None:
+            streams = self.inject(streams, *inject)
         normed = self.hc_norm(streams)
         weights = F.silu(self.input_mix_weight_down(normed) / self.hc_count)
         weights = torch.sigmoid(self.input_mix_weight_up(weights)).unflatten(-1, (self.hc_count, self.hidden))
         mixed = (weights * normed.unflatten(-1, (self.hc_count, self.hidden))).mean(dim=-2)
         if self.block_inject_weight is None:
-            return mixed, None
-        return mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
+            return streams, mixed, None
+        return streams, mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
+
+    def _fused(self, streams: torch.Tensor) -> bool:
+        hc = self.hc_count
+        return hyper_kernels.usable(streams) and hc & (hc - 1) == 0 and self.input_mix_weight_down.out_features >= 16
 
     @staticmethod
     def inject(streams: torch.Tensor, output: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:

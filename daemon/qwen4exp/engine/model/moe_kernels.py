@@ -29,6 +29,8 @@ try:  # Optional: CPU-only installs run the torch paths in moe.py.
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     triton = tl = None
 
+from .triton_round import interpreted  # noqa: E402
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 # Fixed configs, never tuned per call: results must not depend on T. Chosen by the arithmetic below and
@@ -76,24 +78,15 @@ def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: t
 
 
 if triton is not None:
-
-    @triton.jit
-    def _round(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-        """float32 -> dtype, to nearest even. Triton's CPU interpreter truncates to bfloat16 (3.9), so there
-        the rounding is done on the bits; compiled kernels convert directly."""
-        if INTERPRETED and dtype == tl.bfloat16:
-            bits = v.to(tl.uint32, bitcast=True)
-            bits += 0x7FFF + ((bits >> 16) & 1)
-            v = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return v.to(dtype)
+    from .triton_round import round_to
 
     @triton.jit
     def _silu_mul(gate, up, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
         """gate, up float32 -> silu(gate) * up in `dtype`, rounded where torch's low-precision ops round."""
-        gate = _round(gate, dtype, INTERPRETED).to(tl.float32)
-        up = _round(up, dtype, INTERPRETED).to(tl.float32)
-        act = _round(gate / (1.0 + tl.exp(-gate)), dtype, INTERPRETED).to(tl.float32)
-        return _round(act * up, dtype, INTERPRETED)
+        gate = round_to(gate, dtype, INTERPRETED).to(tl.float32)
+        up = round_to(up, dtype, INTERPRETED).to(tl.float32)
+        act = round_to(gate / (1.0 + tl.exp(-gate)), dtype, INTERPRETED).to(tl.float32)
+        return round_to(act * up, dtype, INTERPRETED)
 
     @triton.jit
     def _rows_gate_up_kernel(x_ptr, ids_ptr, active_ptr, w_ptr, h_ptr, hidden, inter, top_k,
@@ -171,7 +164,7 @@ if triton is not None:
         for _slot in range(top_k):
             acc += tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
             y_ptrs += hidden
-        tl.store(out_ptr + row.to(tl.int64) * hidden + feat, _round(acc, out_ptr.dtype.element_ty, INTERPRETED),
+        tl.store(out_ptr + row.to(tl.int64) * hidden + feat, round_to(acc, out_ptr.dtype.element_ty, INTERPRETED),
                  mask=feat < hidden)
 
     @triton.jit
@@ -247,14 +240,9 @@ if triton is not None:
             h_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         route = tl.load(weights_ptr + pair, mask=pair_ok, other=0.0).to(tl.float32)
-        y = _round(acc * route[:, None], y_ptr.dtype.element_ty, INTERPRETED)
+        y = round_to(acc * route[:, None], y_ptr.dtype.element_ty, INTERPRETED)
         safe_pair = tl.where(pair_ok, pair, 0).to(tl.int64)
         tl.store(y_ptr + safe_pair[:, None] * hidden + feat[None, :], y, mask=pair_ok[:, None] & feat_ok[None, :])
-
-
-def _interpreted(x: torch.Tensor) -> bool:
-    """Only Triton's CPU interpreter sees CPU tensors; its bfloat16 tl.dot and rounding need help there."""
-    return x.device.type == "cpu"
 
 
 def _combine(y: torch.Tensor, flags: torch.Tensor | None, rows: int, hidden: int, top_k: int,
@@ -263,7 +251,7 @@ def _combine(y: torch.Tensor, flags: torch.Tensor | None, rows: int, hidden: int
     out = torch.empty(rows, hidden, device=y.device, dtype=dtype)
     grid = (rows, triton.cdiv(hidden, COMBINE["BLOCK"]))
     _combine_slots_kernel[grid](y, flags if flags is not None else y, out, hidden, top_k,
-                                INTERPRETED=_interpreted(y), HAS_ACTIVE=flags is not None, **COMBINE)
+                                INTERPRETED=interpreted(y), HAS_ACTIVE=flags is not None, **COMBINE)
     return out
 
 
@@ -286,7 +274,7 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     h = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
     y = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
     flag_arg = flags if flags is not None else ids  # never read when HAS_ACTIVE is False
-    common = dict(INTERPRETED=_interpreted(x), HAS_ACTIVE=flags is not None)
+    common = dict(INTERPRETED=interpreted(x), HAS_ACTIVE=flags is not None)
     grid = (pairs, triton.cdiv(inter, ROWS_GATE_UP["BLOCK_N"]))
     _rows_gate_up_kernel[grid](x, ids, flag_arg, gate_up, h, hidden, inter, top_k, **common, **ROWS_GATE_UP)
     grid = (pairs, triton.cdiv(hidden, ROWS_DOWN["BLOCK_N"]))
@@ -336,15 +324,15 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
         raise ValueError("too many (token, slot) pairs for int32 row indices")
     pair_of_row, expert_of_block = group_pairs_by_expert(ids, num_experts, GROUPED_BLOCK_M)
     max_blocks = expert_of_block.numel()
-    interpreted = _interpreted(x)
+    on_cpu = interpreted(x)
     h = torch.empty(pair_of_row.numel(), inter, device=x.device, dtype=x.dtype)
     grid = (max_blocks * triton.cdiv(inter, GROUPED_GATE_UP["BLOCK_N"]),)
     _grouped_gate_up_kernel[grid](x, pair_of_row, expert_of_block, gate_up, h, pairs, num_experts, hidden, inter,
-                                  top_k, INTERPRETED=interpreted, BLOCK_M=GROUPED_BLOCK_M, **GROUPED_GATE_UP)
+                                  top_k, INTERPRETED=on_cpu, BLOCK_M=GROUPED_BLOCK_M, **GROUPED_GATE_UP)
     y = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)
     grid = (max_blocks * triton.cdiv(hidden, GROUPED_DOWN["BLOCK_N"]),)
     _grouped_down_kernel[grid](h, pair_of_row, expert_of_block, weights, down, y, pairs, num_experts, hidden, inter,
-                               INTERPRETED=interpreted, BLOCK_M=GROUPED_BLOCK_M, **GROUPED_DOWN)
+                               INTERPRETED=on_cpu, BLOCK_M=GROUPED_BLOCK_M, **GROUPED_DOWN)
     return _combine(y, None, rows, hidden, top_k, x.dtype)
 
 

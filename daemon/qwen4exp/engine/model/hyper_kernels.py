@@ -1,0 +1,165 @@
+"""Fused hyper-connection and RMSNorm kernels in Triton (CUDA and ROCm) for bfloat16/float16 models.
+
+The residual is hc streams wide (4 x 2560 on the shipped model), and every sublayer reads a learned mix of
+the streams and writes back into each of them. In torch that is some twenty element-wise and reduction
+kernels per sublayer, most of them float32 round trips over the whole [T, hc*H] residual; in a decode step
+they were most of its ~850 kernels. Two kernels replace them:
+
+* `norm_rows`: x -> RMSNorm(x) * (1 + w), one group of `group` channels at a time, optionally after adding
+  a term to x (PLE's) or injecting a sublayer output into every stream with its gate; it writes the new x
+  too. With one group per row it is every other zero-centred RMSNorm of the model (q/k norms).
+* `mix_streams`: the low-rank mixing weights' up-projection on the tensor cores with the sigmoid, the
+  weighting of the normed streams and their mean in its epilogue, so the [T, hc*H] weights never exist;
+  and the injection gates.
+
+Numerics follow torch's bf16 ops: sums and products in float32, rounded to the model dtype wherever torch
+would hand a bf16 tensor to the next op (the up-projection's output, the sigmoid, each weighted stream, the
+injected product and sum). Only the order inside each float32 sum differs. Block shapes depend on the row
+count alone, and no row reads another's values, so a row's result does not depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Optional: CPU-only installs use the torch forms in norms.py and hyper.py.
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    triton = tl = None
+
+from .triton_round import interpreted  # noqa: E402
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+# Decode steps have a few rows: narrow feature blocks spread the weight reads over more programs.
+FEW_ROWS = 64
+MIX_FEW = dict(BLOCK_T=16, BLOCK_H=32, BLOCK_K=64, num_warps=4)
+MIX_MANY = dict(BLOCK_T=64, BLOCK_H=64, BLOCK_K=64, num_warps=4)
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the fused kernels serve x: a CUDA/ROCm tensor in bfloat16/float16, outside autograd (the
+    kernels have no backward; training runs the torch forms)."""
+    return triton is not None and x.is_cuda and x.dtype in SUPPORTED_DTYPES and not torch.is_grad_enabled()
+
+
+if triton is not None:
+    from .triton_round import round_to, rounded
+
+    @triton.jit
+    def _norm_kernel(x_ptr, add_ptr, out_ptr, gates_ptr, weight_ptr, new_x_ptr, normed_ptr, eps,
+                     GROUP: tl.constexpr, GROUPS: tl.constexpr, MODE: tl.constexpr, INTERPRETED: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        """One (row, group): MODE 0 norms x; 1 adds add[row] first; 2 adds out[row] * gate[row, group]."""
+        row = tl.program_id(0).to(tl.int64)
+        group = tl.program_id(1)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < GROUP
+        offset = row * (GROUPS * GROUP) + group * GROUP + cols
+        dtype = normed_ptr.dtype.element_ty
+        x = tl.load(x_ptr + offset, mask=ok, other=0.0).to(tl.float32)
+        if MODE == 1:
+            x = rounded(x + tl.load(add_ptr + offset, mask=ok, other=0.0).to(tl.float32), dtype, INTERPRETED)
+        if MODE == 2:
+            out = tl.load(out_ptr + row * GROUP + cols, mask=ok, other=0.0).to(tl.float32)
+            gate = tl.load(gates_ptr + row * GROUPS + group).to(tl.float32)
+            x = rounded(x + rounded(out * gate, dtype, INTERPRETED), dtype, INTERPRETED)
+        if MODE != 0:
+            tl.store(new_x_ptr + offset, round_to(x, dtype, INTERPRETED), mask=ok)
+        scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / GROUP + eps)
+        weight = tl.load(weight_ptr + group * GROUP + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(normed_ptr + offset, round_to(x * scale * (1.0 + weight), dtype, INTERPRETED), mask=ok)
+
+    @triton.jit
+    def _mix_kernel(down_ptr, up_ptr, normed_ptr, mixed_ptr, inject_ptr, gates_ptr, rows,
+                    H: tl.constexpr, HC: tl.constexpr, R: tl.constexpr, HAS_GATES: tl.constexpr,
+                    INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        """mixed[t, h] = mean_j sigmoid(silu(down[t] / HC) . up[j*H + h]) * normed[t, j*H + h] for a
+        [BLOCK_T, BLOCK_H] tile; the first feature block also writes gates = 2 sigmoid(inject / HC)."""
+        block_t = tl.program_id(0)
+        block_h = tl.program_id(1)
+        dtype = mixed_ptr.dtype.element_ty
+        t = block_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < rows
+        t64 = t.to(tl.int64)
+        h = block_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = h < H
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(HC):
+            logits = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            for start in tl.static_range(0, R, BLOCK_K):
+                k_ok = ks < R - start
+                low = tl.load(down_ptr + t64[:, None] * R + start + ks[None, :],
+                              mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                low = rounded(low / HC, dtype, INTERPRETED)
+                act = round_to(low / (1.0 + tl.exp(-low)), dtype, INTERPRETED)
+                w = tl.load(up_ptr + (j * H + h[None, :]).to(tl.int64) * R + start + ks[:, None],
+                            mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+                if INTERPRETED:
+                    act, w = act.to(tl.float32), w.to(tl.float32)
+                logits = tl.dot(act, w, logits)
+            weight = rounded(tl.sigmoid(rounded(logits, dtype, INTERPRETED)), dtype, INTERPRETED)
+            normed = tl.load(normed_ptr + t64[:, None] * (HC * H) + j * H + h[None, :],
+                             mask=t_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+            acc += rounded(weight * normed, dtype, INTERPRETED)
+        tl.store(mixed_ptr + t64[:, None] * H + h[None, :], round_to(acc / HC, dtype, INTERPRETED),
+                 mask=t_ok[:, None] & h_ok[None, :])
+        if HAS_GATES:
+            if block_h == 0:
+                js = tl.arange(0, HC)
+                z = tl.load(inject_ptr + t64[:, None] * HC + js[None, :], mask=t_ok[:, None], other=0.0)
+                z = rounded(z.to(tl.float32) / HC, dtype, INTERPRETED)
+                gates = 2.0 * rounded(tl.sigmoid(z), dtype, INTERPRETED)
+                tl.store(gates_ptr + t64[:, None] * HC + js[None, :], round_to(gates, dtype, INTERPRETED),
+                         mask=t_ok[:, None])
+
+
+def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int, add: torch.Tensor | None = None,
+              inject: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., G*group] -> (new x, zero-centred RMSNorm of new x per group), where new x is x, x + add, or
+    x + out * gate per group for inject = (out [..., group], gates [..., G]) (then x is returned as given
+    when neither is set)."""
+    width = x.shape[-1]
+    if width % group or weight.numel() != width:
+        raise ValueError(f"norm width {width} is not whole groups of {group} or does not match weight")
+    flat = x.reshape(-1, width).contiguous()
+    rows, groups = flat.shape[0], width // group
+    normed = torch.empty_like(flat)
+    mode, add_t, out_t, gates_t, new_x = 0, flat, flat, flat, flat
+    if add is not None:
+        mode, add_t, new_x = 1, add.reshape(-1, width).contiguous(), torch.empty_like(flat)
+    elif inject is not None:
+        out, gates = inject
+        mode, new_x = 2, torch.empty_like(flat)
+        out_t, gates_t = out.reshape(rows, group).contiguous(), gates.reshape(rows, groups).contiguous()
+    if rows:
+        block = triton.next_power_of_2(group)
+        _norm_kernel[(rows, groups)](flat, add_t, out_t, gates_t, weight, new_x, normed, eps, GROUP=group,
+                                     GROUPS=groups, MODE=mode, INTERPRETED=interpreted(x), BLOCK=block,
+                                     num_warps=max(1, min(8, block // 256)))
+    return new_x.view(x.shape), normed.view(x.shape)
+
+
+def mix_streams(down: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tensor, hc: int,
+                inject: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """down [T, R] (the low-rank projection of the normed streams), up_weight [hc*H, R], normed [T, hc*H],
+    inject [T, hc] or None -> (mixed [T, H], gates [T, hc] or None)."""
+    rows, low_rank = down.shape
+    hidden = normed.shape[-1] // hc
+    if up_weight.shape != (hc * hidden, low_rank) or normed.shape[0] != rows or low_rank < 16:
+        raise ValueError(f"hyper-connection shapes do not fit: down {tuple(down.shape)}, up "
+                         f"{tuple(up_weight.shape)}, normed {tuple(normed.shape)}")
+    mixed = torch.empty(rows, hidden, device=normed.device, dtype=normed.dtype)
+    gates = torch.empty(rows, hc, device=normed.device, dtype=normed.dtype) if inject is not None else None
+    config = dict(MIX_FEW if rows <= FEW_ROWS else MIX_MANY)
+    config["BLOCK_K"] = min(config["BLOCK_K"], max(16, triton.next_power_of_2(low_rank)))
+    config["BLOCK_H"] = min(config["BLOCK_H"], max(16, triton.next_power_of_2(hidden)))
+    if rows:
+        grid = (triton.cdiv(rows, config["BLOCK_T"]), triton.cdiv(hidden, config["BLOCK_H"]))
+        _mix_kernel[grid](down.contiguous(), up_weight, normed.contiguous(), mixed,
+                          inject.contiguous() if inject is not None else mixed, gates if gates is not None else mixed,
+                          rows, H=hidden, HC=hc, R=low_rank, HAS_GATES=inject is not None,
+                          INTERPRETED=interpreted(normed), **config)
+    return mixed, gates

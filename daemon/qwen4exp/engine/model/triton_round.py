@@ -1,0 +1,34 @@
+"""Rounding helpers shared by our Triton kernels, so fused kernels round where torch's low-precision ops do."""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Optional: CPU-only installs never launch a kernel.
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    triton = tl = None
+
+
+def interpreted(x: torch.Tensor) -> bool:
+    """Only Triton's CPU interpreter sees CPU tensors; its bfloat16 tl.dot and rounding need help there."""
+    return x.device.type == "cpu"
+
+
+if triton is not None:
+
+    @triton.jit
+    def round_to(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+        """float32 -> dtype, to nearest even. Triton's CPU interpreter truncates to bfloat16 (3.9), so there
+        the rounding is done on the bits; compiled kernels convert directly."""
+        if INTERPRETED and dtype == tl.bfloat16:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits += 0x7FFF + ((bits >> 16) & 1)
+            v = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return v.to(dtype)
+
+    @triton.jit
+    def rounded(v, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+        """v rounded to dtype and back to float32: the value a torch op in dtype would hand on."""
+        return round_to(v, dtype, INTERPRETED).to(tl.float32)
