@@ -60,6 +60,14 @@ for name in ("float32", "bfloat16"):
             "state_equal": bool(torch.equal(ours, theirs)),
             "state_moved": bool(not torch.equal(ours[0], kept[0])),
         }
+        for length in (2, 37):       # shorter than the kept inputs, and several row blocks
+            chunk = torch.randn(length, channels, generator=gen).to(dtype)
+            ours, theirs = kept[0].clone(), kept[0].clone()
+            got = conv_step.conv_chunk_kernel(ours, chunk, weight, dilation)
+            want = conv_step.causal_conv_chunk(theirs, chunk, weight, dilation)   # the torch form on the CPU
+            results[f"{name} {label} chunk {length}"] = {
+                "out_err": (got.float() - want.float()).abs().max().item(),
+                "out_scale": want.float().abs().max().item()}
     norm = GatedRMSNorm(dv, 1e-6, "silu")
     with torch.no_grad():
         norm.weight.copy_(torch.rand(dv, generator=gen) + 0.5)
@@ -97,10 +105,12 @@ def test_idle_rows_keep_their_state(results, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("conv", ["gdn conv", "ple conv"])
-def test_conv_step_kernel_matches_the_torch_step(results, dtype, conv):
+@pytest.mark.parametrize("conv", ["gdn conv", "ple conv", "gdn conv chunk 2", "ple conv chunk 2",
+                                  "gdn conv chunk 37", "ple conv chunk 37"])
+def test_conv_kernels_match_the_torch_conv(results, dtype, conv):
     r = results[f"{dtype} {conv}"]
-    assert r["state_equal"] and r["state_moved"], "active rows shift in the new input; idle rows keep theirs"
+    if "chunk" not in conv:     # a chunk's kept inputs move on in torch (causal_conv_chunk), not in the kernel
+        assert r["state_equal"] and r["state_moved"], "active rows shift in the new input; idle rows keep theirs"
     # Sums of 4 taps in float32 in another order: at most one rounding step of the output's dtype apart.
     assert r["out_err"] <= (2 ** -7 if dtype == "bfloat16" else 1e-5) * max(1.0, r["out_scale"]), r
 

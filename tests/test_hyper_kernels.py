@@ -112,7 +112,6 @@ def test_fused_forms_follow_torch_at_shipped_sizes_on_gpu(rows):
     """The shipped hyper-connection sizes (4 x 2560 streams, rank 320) on the GPU: the fused update + norm + mix
     (and the plain norms) against the torch forms, which run there when autograd is on."""
     import torch
-
     from qwen4exp.engine.model.hyper import GatedResidual
     from qwen4exp.engine.model.norms import GatedRMSNorm, RMSNorm
 

@@ -4,12 +4,11 @@ and the gated output norm."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..state import DeltaNetState
 from .config import ModelConfig
-from .conv_step import causal_conv_step
+from .conv_step import causal_conv_chunk, causal_conv_step
 from .gdn_ops import gated_delta_rule, gated_delta_rule_rows, gates
 from .norms import GatedRMSNorm
 
@@ -36,7 +35,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
         """x [n, H] of one sequence -> [n, H]; advances the conv and recurrent state."""
         n = x.shape[0]
-        mixed = self._conv(self.in_proj_qkv(x), state)
+        mixed = causal_conv_chunk(state.conv, self.in_proj_qkv(x), self.conv1d.weight, 1)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(n, self.k_heads, self.dk), k.reshape(n, self.k_heads, self.dk)
         v = v.reshape(n, self.v_heads, self.dv)
@@ -59,9 +58,3 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).reshape(n * self.v_heads, self.dv)
         core = self.norm(core.reshape(n * self.v_heads, self.dv), z)
         return self.out_proj(core.reshape(n, self.value_dim))
-
-    def _conv(self, projected: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
-        """Causal depthwise conv over [history, projected] with SiLU; keeps the last kernel-1 inputs."""
-        window = torch.cat((state.conv, projected.t()), dim=-1)
-        state.conv.copy_(window[:, -state.conv.shape[-1]:])
-        return F.silu(self.conv1d(window.unsqueeze(0).to(self.conv1d.weight.dtype))).squeeze(0).t()

@@ -13,7 +13,7 @@ try:  # Optional: CPU-only installs use the torch form in norms.py.
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     triton = tl = None
 
-from .triton_round import interpreted  # noqa: E402
+from .triton_round import interpreted
 
 
 def usable(x: torch.Tensor) -> bool:

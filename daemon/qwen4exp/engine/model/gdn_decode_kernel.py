@@ -20,7 +20,7 @@ try:  # Optional: CPU-only installs use the torch form in gdn_ops.
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     triton = tl = None
 
-from .triton_round import interpreted  # noqa: E402
+from .triton_round import interpreted
 
 BLOCK_V = 32
 

@@ -28,7 +28,7 @@ try:  # Optional: CPU-only installs use the torch forms in norms.py and hyper.py
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     triton = tl = None
 
-from .triton_round import interpreted  # noqa: E402
+from .triton_round import interpreted
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 # Decode steps have a few rows: narrow feature blocks spread the weight reads over more programs.

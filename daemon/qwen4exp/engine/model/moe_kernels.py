@@ -29,7 +29,7 @@ try:  # Optional: CPU-only installs run the torch paths in moe.py.
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     triton = tl = None
 
-from .triton_round import interpreted  # noqa: E402
+from .triton_round import interpreted
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 

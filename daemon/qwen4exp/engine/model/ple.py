@@ -16,7 +16,7 @@ from torch import nn
 from ..state import PLEState
 from . import ngram_hash
 from .config import ModelConfig
-from .conv_step import causal_conv_step
+from .conv_step import causal_conv_chunk, causal_conv_step
 from .norms import RMSNorm
 
 
@@ -109,11 +109,12 @@ class PLELayer(nn.Module):
         self.norm_conv = RMSNorm(hc * hidden, cfg.rms_norm_eps, group_size=hidden)
         self.conv1d = nn.Conv1d(hc * hidden, hc * hidden, kernel_size=cfg.ple_conv_kernel_size,
                                 groups=hc * hidden, dilation=cfg.ngram_size, bias=False)
+        self.ple_dilation = cfg.ngram_size
 
     def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: PLEState) -> torch.Tensor:
         """streams [n, hc*H] of one sequence -> the PLE term [n, hc*H] to add to them."""
         gated = self._gated(streams, self.ple_embedding(token_ids, state))
-        return gated + self._short_conv(self.norm_conv(gated), state)
+        return gated + causal_conv_chunk(state.conv, self.norm_conv(gated), self.conv1d.weight, self.ple_dilation)
 
     def _gated(self, streams: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         keys = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden))
@@ -128,10 +129,5 @@ class PLELayer(nn.Module):
         """One token per row (streams [N, hc*H], batched state) -> the PLE term [N, hc*H]."""
         embeddings = self.ple_embedding.decode_rows(token_ids, state, active)
         gated = self._gated(streams, embeddings)
-        return gated + causal_conv_step(state.conv, self.norm_conv(gated), self.conv1d.weight,
-                                        self.conv1d.dilation[0], active)
-
-    def _short_conv(self, x: torch.Tensor, state: PLEState) -> torch.Tensor:
-        window = torch.cat((state.conv, x.t()), dim=-1)
-        state.conv.copy_(window[:, -state.conv.shape[-1]:])
-        return F.silu(self.conv1d(window.unsqueeze(0))).squeeze(0).t()
+        return gated + causal_conv_step(state.conv, self.norm_conv(gated), self.conv1d.weight, self.ple_dilation,
+                                        active)
