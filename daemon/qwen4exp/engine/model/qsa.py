@@ -10,6 +10,7 @@ Attention itself is gated multi-query attention with q/k RMSNorm and partial RoP
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,28 @@ from ..state import AttentionState
 from .config import ModelConfig
 from .norms import RMSNorm
 from .rope import apply_rotary
+
+# Most queries whose block scores exist at once: the scores ([rows, n_blocks, heads] float32) and their sort
+# keys are the only work space that grows with the prefix, so a chunk's peak stays its mask plus a bounded slice.
+QUERY_SLICE = 256
+
+
+def _query_slices(n: int) -> list[tuple[int, int]]:
+    """[first, last) row ranges of near-equal size: one range up to QUERY_SLICE (at least 32) rows, else ranges
+    of 16 rows or more. A slice's GEMM then takes the same kernels as the whole chunk's and rounds alike; a short
+    one may not (MKL has other paths for a few rows, and einsum swaps its operands for a lone row)."""
+    most = max(32, QUERY_SLICE)
+    count = -(-n // most)
+    bounds = [i * n // count for i in range(count + 1)]
+    return list(pairwise(bounds))
+
+
+def _descending_keys(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys [rows, B] whose descending order is the stable descending order of scores [rows, B] (>= 0):
+    the score's bits above (a non-negative float's bits order like its value; the sign is cleared, so -0.0 ties
+    +0.0 and NaN ranks first, as in torch.sort), the reversed block index below (earlier blocks win ties)."""
+    keys = scores.view(torch.int32).long().bitwise_and_(0x7FFFFFFF).bitwise_left_shift_(32)
+    return keys.bitwise_or_(torch.arange(scores.shape[1] - 1, -1, -1, device=scores.device))
 
 
 class Indexer(nn.Module):
@@ -33,7 +56,8 @@ class Indexer(nn.Module):
     def select(self, x: torch.Tensor, start: int, cos_all: torch.Tensor, sin_all: torch.Tensor,
                state: AttentionState) -> torch.Tensor | None:
         """Token selection for queries at positions start..start+n-1: a bool mask [n, start+n], or None
-        when every query still sees its whole causal context (dense)."""
+        when every query still sees its whole causal context (dense). Queries are scored QUERY_SLICE at a
+        time, so beyond the mask itself the work space grows with the prefix, not with prefix x chunk."""
         n = x.shape[0]
         end = start + n
         q, raw_keys = self.index_qk_proj(x).split([self.heads * self.dim, self.dim], dim=-1)
@@ -45,22 +69,45 @@ class Indexer(nn.Module):
                          sin_all[start:end])
         positions = torch.arange(start, end, device=x.device)
         complete = (positions + 1) // self.ratio                   # complete blocks each query sees
-        n_blocks = end // self.ratio
-        blocks = state.block_keys[:n_blocks].float()
-        scores = torch.relu(torch.einsum("nhd,bd->nbh", q.float(), blocks)).sum(-1) / math.sqrt(self.dim)
-        visible = torch.arange(n_blocks, device=x.device)[None, :] < complete[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        # Ties (relu makes many scores exactly 0) go to the earlier block, so the choice is reproducible.
-        best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :self.block_topk]
-        chosen = torch.zeros_like(visible)
-        chosen.scatter_(1, best, True)
-        chosen &= visible
-        token_blocks = torch.arange(end, device=x.device) // self.ratio
-        in_chosen = chosen.gather(1, token_blocks.clamp_max(max(n_blocks - 1, 0))[None, :].expand(n, -1))
-        token = torch.arange(end, device=x.device)[None, :]
-        in_block = token < (complete * self.ratio)[:, None]
-        in_tail = (token >= (complete * self.ratio)[:, None]) & (token <= positions[:, None])
-        return (in_block & in_chosen) | in_tail
+        # A hard top-k has no gradient: spare autograd's bookkeeping when training runs this with it on.
+        with torch.no_grad():
+            q = q.float()
+            blocks = state.block_keys[:end // self.ratio].float()
+            selected = torch.zeros(n, end, dtype=torch.bool, device=x.device)
+            for first, last in _query_slices(n):
+                chosen = self._chosen_blocks(q[first:last], blocks, complete[first:last])
+                self._mark_tokens(selected[first:last], chosen, start + first, start + last,
+                                  complete[first:last], positions[first:last])
+        return selected
+
+    def _chosen_blocks(self, q: torch.Tensor, blocks: torch.Tensor, complete: torch.Tensor) -> torch.Tensor:
+        """The visible blocks that each query of a slice keeps: bool [rows, n_blocks]."""
+        n_blocks = blocks.shape[0]
+        keys = _descending_keys(self._block_scores(q, blocks))
+        visible = torch.arange(n_blocks, device=q.device)[None, :] < complete[:, None]
+        keys.masked_fill_(~visible, -1)
+        best = keys.topk(min(self.block_topk, n_blocks), dim=-1, sorted=False).indices
+        del keys                                                   # before the next [rows, n_blocks] tensor
+        return torch.zeros_like(visible).scatter_(1, best, True).logical_and_(visible)
+
+    def _block_scores(self, q: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """float32 [rows, n_blocks]: sum over heads of relu(q_h . k_b), / sqrt(dim). The same operations on
+        the same layouts as a whole chunk at once (one GEMM for all heads, then the head sum), so each score
+        has the same bits whatever the slicing."""
+        return torch.einsum("nhd,bd->nbh", q, blocks).relu_().sum(-1).div_(math.sqrt(self.dim))
+
+    def _mark_tokens(self, selected: torch.Tensor, chosen: torch.Tensor, first: int, last: int,
+                     complete: torch.Tensor, positions: torch.Tensor) -> None:
+        """Fill the mask rows of queries at positions first..last-1: the tokens of their chosen blocks, and
+        their incomplete tail block up to the query itself."""
+        n_blocks = chosen.shape[1]
+        whole = selected[:, :n_blocks * self.ratio].unflatten(1, (n_blocks, self.ratio))
+        whole.copy_(chosen[:, :, None].expand(-1, -1, self.ratio))
+        # The slice's tails lie within [its first query's tail start, its last query]: a narrow band.
+        low = (first + 1) // self.ratio * self.ratio
+        token = torch.arange(low, last, device=selected.device)[None, :]
+        tail = (token >= (complete * self.ratio)[:, None]) & (token <= positions[:, None])
+        selected[:, low:last].logical_or_(tail)
 
     def decode_select(self, x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
                       sin_table: torch.Tensor, state: AttentionState, active: torch.Tensor
