@@ -21,6 +21,7 @@ count alone, and no row reads another's values, so a row's result does not depen
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:  # Optional: CPU-only installs use the torch forms in norms.py and hyper.py.
     import triton
@@ -31,10 +32,12 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 from .triton_round import interpreted
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-# Decode steps have a few rows: narrow feature blocks spread the weight reads over more programs.
+# Decode steps have a few rows: narrow feature blocks spread the weight reads over more programs, and the
+# whole rank in one block issues each stream's weight loads at once (a loop of 64-wide steps left them in
+# series: 17.5 us a call on an H200, 0.37 TB/s).
 FEW_ROWS = 64
-MIX_FEW = dict(BLOCK_T=16, BLOCK_H=32, BLOCK_K=64, num_warps=4)
-MIX_MANY = dict(BLOCK_T=64, BLOCK_H=64, BLOCK_K=64, num_warps=4)
+MIX_FEW = {"BLOCK_T": 16, "BLOCK_H": 16, "BLOCK_K": 512, "NUM_STAGES": 1, "ACT_READY": False, "num_warps": 4}
+MIX_MANY = {"BLOCK_T": 128, "BLOCK_H": 64, "BLOCK_K": 64, "NUM_STAGES": 3, "ACT_READY": True, "num_warps": 8}
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -71,12 +74,13 @@ if triton is not None:
         tl.store(normed_ptr + offset, round_to(x * scale * (1.0 + weight), dtype, INTERPRETED), mask=ok)
 
     @triton.jit
-    def _mix_kernel(down_ptr, up_ptr, normed_ptr, mixed_ptr, inject_ptr, gates_ptr, rows,
-                    H: tl.constexpr, HC: tl.constexpr, R: tl.constexpr, HAS_GATES: tl.constexpr,
-                    INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-        """mixed[t, h] = mean_j sigmoid(silu(down[t] / HC) . up[j*H + h]) * normed[t, j*H + h] for a
-        [BLOCK_T, BLOCK_H] tile; the first feature block also writes gates = 2 sigmoid(inject / HC)."""
+    def _mix_kernel(low_ptr, up_ptr, normed_ptr, mixed_ptr, inject_ptr, gates_ptr, rows,
+                    H: tl.constexpr, HC: tl.constexpr, R: tl.constexpr, ACT_READY: tl.constexpr,
+                    HAS_GATES: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+        """mixed[t, h] = mean_j sigmoid(act[t] . up[j*H + h]) * normed[t, j*H + h] for a [BLOCK_T, BLOCK_H]
+        tile, act = silu(down / HC) (given as low with ACT_READY, else computed here from the down projection
+        in low); the first feature block also writes gates = 2 sigmoid(inject / HC)."""
         block_t = tl.program_id(0)
         block_h = tl.program_id(1)
         dtype = mixed_ptr.dtype.element_ty
@@ -89,12 +93,13 @@ if triton is not None:
         acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(HC):
             logits = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-            for start in tl.static_range(0, R, BLOCK_K):
+            for start in tl.range(0, R, BLOCK_K, num_stages=NUM_STAGES):
                 k_ok = ks < R - start
-                low = tl.load(down_ptr + t64[:, None] * R + start + ks[None, :],
-                              mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                low = rounded(low / HC, dtype, INTERPRETED)
-                act = round_to(low / (1.0 + tl.exp(-low)), dtype, INTERPRETED)
+                act = tl.load(low_ptr + t64[:, None] * R + start + ks[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                              other=0.0)
+                if not ACT_READY:
+                    low = rounded(act.to(tl.float32) / HC, dtype, INTERPRETED)
+                    act = round_to(low / (1.0 + tl.exp(-low)), dtype, INTERPRETED)
                 w = tl.load(up_ptr + (j * H + h[None, :]).to(tl.int64) * R + start + ks[:, None],
                             mask=k_ok[:, None] & h_ok[None, :], other=0.0)
                 if INTERPRETED:
@@ -106,14 +111,13 @@ if triton is not None:
             acc += rounded(weight * normed, dtype, INTERPRETED)
         tl.store(mixed_ptr + t64[:, None] * H + h[None, :], round_to(acc / HC, dtype, INTERPRETED),
                  mask=t_ok[:, None] & h_ok[None, :])
-        if HAS_GATES:
-            if block_h == 0:
-                js = tl.arange(0, HC)
-                z = tl.load(inject_ptr + t64[:, None] * HC + js[None, :], mask=t_ok[:, None], other=0.0)
-                z = rounded(z.to(tl.float32) / HC, dtype, INTERPRETED)
-                gates = 2.0 * rounded(tl.sigmoid(z), dtype, INTERPRETED)
-                tl.store(gates_ptr + t64[:, None] * HC + js[None, :], round_to(gates, dtype, INTERPRETED),
-                         mask=t_ok[:, None])
+        if HAS_GATES and block_h == 0:
+            js = tl.arange(0, HC)
+            z = tl.load(inject_ptr + t64[:, None] * HC + js[None, :], mask=t_ok[:, None], other=0.0)
+            z = rounded(z.to(tl.float32) / HC, dtype, INTERPRETED)
+            gates = 2.0 * rounded(tl.sigmoid(z), dtype, INTERPRETED)
+            tl.store(gates_ptr + t64[:, None] * HC + js[None, :], round_to(gates, dtype, INTERPRETED),
+                     mask=t_ok[:, None])
 
 
 def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int, add: torch.Tensor | None = None,
@@ -143,23 +147,27 @@ def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int, add
 
 
 def mix_streams(down: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tensor, hc: int,
-                inject: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                inject: torch.Tensor | None, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """down [T, R] (the low-rank projection of the normed streams), up_weight [hc*H, R], normed [T, hc*H],
-    inject [T, hc] or None -> (mixed [T, H], gates [T, hc] or None)."""
+    inject [T, hc] or None -> (mixed [T, H], gates [T, hc] or None). `config` overrides the block shapes
+    (bench/hyper_kernels_bench.py compares them)."""
     rows, low_rank = down.shape
     hidden = normed.shape[-1] // hc
-    if up_weight.shape != (hc * hidden, low_rank) or normed.shape[0] != rows or low_rank < 16:
+    if up_weight.shape != (hc * hidden, low_rank) or normed.shape[0] != rows or low_rank < 16 or hc & (hc - 1):
         raise ValueError(f"hyper-connection shapes do not fit: down {tuple(down.shape)}, up "
-                         f"{tuple(up_weight.shape)}, normed {tuple(normed.shape)}")
+                         f"{tuple(up_weight.shape)}, normed {tuple(normed.shape)}, {hc} streams")
     mixed = torch.empty(rows, hidden, device=normed.device, dtype=normed.dtype)
     gates = torch.empty(rows, hc, device=normed.device, dtype=normed.dtype) if inject is not None else None
-    config = dict(MIX_FEW if rows <= FEW_ROWS else MIX_MANY)
+    config = dict(config or (MIX_FEW if rows <= FEW_ROWS else MIX_MANY))
+    act_ready = config.pop("ACT_READY")
     config["BLOCK_K"] = min(config["BLOCK_K"], max(16, triton.next_power_of_2(low_rank)))
     config["BLOCK_H"] = min(config["BLOCK_H"], max(16, triton.next_power_of_2(hidden)))
+    # Many rows: silu(down / hc) once, in torch's own ops, instead of once per stream in every program.
+    low = F.silu(down / hc).contiguous() if act_ready else down.contiguous()
     if rows:
         grid = (triton.cdiv(rows, config["BLOCK_T"]), triton.cdiv(hidden, config["BLOCK_H"]))
-        _mix_kernel[grid](down.contiguous(), up_weight, normed.contiguous(), mixed,
+        _mix_kernel[grid](low, up_weight, normed.contiguous(), mixed,
                           inject.contiguous() if inject is not None else mixed, gates if gates is not None else mixed,
-                          rows, H=hidden, HC=hc, R=low_rank, HAS_GATES=inject is not None,
+                          rows, H=hidden, HC=hc, R=low_rank, ACT_READY=act_ready, HAS_GATES=inject is not None,
                           INTERPRETED=interpreted(normed), **config)
     return mixed, gates

@@ -78,14 +78,14 @@ def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: t
 
 
 if triton is not None:
-    from .triton_round import round_to
+    from .triton_round import round_to, rounded
 
     @triton.jit
     def _silu_mul(gate, up, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
         """gate, up float32 -> silu(gate) * up in `dtype`, rounded where torch's low-precision ops round."""
-        gate = round_to(gate, dtype, INTERPRETED).to(tl.float32)
-        up = round_to(up, dtype, INTERPRETED).to(tl.float32)
-        act = round_to(gate / (1.0 + tl.exp(-gate)), dtype, INTERPRETED).to(tl.float32)
+        gate = rounded(gate, dtype, INTERPRETED)
+        up = rounded(up, dtype, INTERPRETED)
+        act = rounded(gate / (1.0 + tl.exp(-gate)), dtype, INTERPRETED)
         return round_to(act * up, dtype, INTERPRETED)
 
     @triton.jit

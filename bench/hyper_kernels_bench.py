@@ -1,0 +1,84 @@
+"""Time the fused hyper-connection kernels against the torch forms at the shipped sizes on a GPU.
+
+    python bench/hyper_kernels_bench.py --out hyper.json
+
+For each row count (a decode step's 1 and 4 rows, a 4096-token prompt chunk): the whole `update_and_mix`
+(injection, norm, both projections, mixing) fused and in torch, then `mix_streams` alone under a few block
+shapes, so the defaults in hyper_kernels.py can be chosen from measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from qwen4exp.engine.model import hyper_kernels
+from qwen4exp.engine.model.hyper import GatedResidual
+
+CANDIDATES = {
+    "few": [hyper_kernels.MIX_FEW,
+            {**hyper_kernels.MIX_FEW, "BLOCK_H": 32},
+            {**hyper_kernels.MIX_FEW, "BLOCK_K": 64, "NUM_STAGES": 3},
+            {**hyper_kernels.MIX_FEW, "BLOCK_H": 16, "num_warps": 2}],
+    "many": [hyper_kernels.MIX_MANY,
+             {**hyper_kernels.MIX_MANY, "BLOCK_T": 64, "num_warps": 4},
+             {**hyper_kernels.MIX_MANY, "BLOCK_H": 128},
+             {**hyper_kernels.MIX_MANY, "ACT_READY": False},
+             {**hyper_kernels.MIX_MANY, "NUM_STAGES": 1}],
+}
+
+
+def time_us(fn, reps: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rows", default="1,4,4096")
+    args = parser.parse_args()
+    hidden, hc, rank = 2560, 4, 320
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    res = GatedResidual(hidden, hc, rank, 1e-6).cuda().bfloat16().requires_grad_(False)
+    for p in res.parameters():
+        p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * 0.05)
+    report = {"device": torch.cuda.get_device_name(), "sizes": {"hidden": hidden, "hc": hc, "rank": rank}, "rows": {}}
+    for rows in (int(r) for r in args.rows.split(",")):
+        streams = torch.randn(rows, hc * hidden, generator=gen, device="cuda").bfloat16()
+        out = torch.randn(rows, hidden, generator=gen, device="cuda").bfloat16()
+        gates = (2 * torch.rand(rows, hc, generator=gen, device="cuda")).bfloat16()
+        with torch.inference_mode():
+            fused = time_us(lambda: res.update_and_mix(streams, inject=(out, gates)))
+            _, normed = hyper_kernels.norm_rows(streams, res.hc_norm.weight, res.hc_norm.eps, hidden)
+            down = res.input_mix_weight_down(normed)
+            logits = res.block_inject_weight(normed)
+            configs = {}
+            for config in CANDIDATES["few" if rows <= hyper_kernels.FEW_ROWS else "many"]:
+                try:
+                    us = time_us(lambda c=config: hyper_kernels.mix_streams(down, res.input_mix_weight_up.weight,
+                                                                          normed, hc, logits, c))
+                except Exception as err:  # noqa: BLE001 - a shape the compiler rejects is a result too
+                    us = f"failed: {type(err).__name__}: {str(err)[:200]}"
+                configs[json.dumps(config, sort_keys=True)] = us
+        with torch.enable_grad():   # the kernels step aside under autograd: the torch form
+            eager = time_us(lambda: res.update_and_mix(streams, inject=(out, gates)))
+        flops = 2 * rows * rank * hc * hidden
+        report["rows"][rows] = {"update_and_mix_fused_us": round(fused, 2), "update_and_mix_torch_us": round(eager, 2),
+                                "up_projection_gflop": flops / 1e9, "mix_streams_us_by_config": configs}
+        print(rows, json.dumps(report["rows"][rows], indent=1), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
