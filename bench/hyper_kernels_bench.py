@@ -19,11 +19,12 @@ from qwen4exp.engine.model.hyper import GatedResidual
 
 CANDIDATES = {
     "few": [hyper_kernels.MIX_FEW,
-            {**hyper_kernels.MIX_FEW, "BLOCK_H": 32},
+            {**hyper_kernels.MIX_FEW, "BLOCK_H": 16},
             {**hyper_kernels.MIX_FEW, "BLOCK_K": 64, "NUM_STAGES": 3},
-            {**hyper_kernels.MIX_FEW, "BLOCK_H": 16, "num_warps": 2}],
+            {**hyper_kernels.MIX_FEW, "BLOCK_H": 16, "num_warps": 2},
+            {**hyper_kernels.MIX_FEW, "num_warps": 8}],
     "many": [hyper_kernels.MIX_MANY,
-             {**hyper_kernels.MIX_MANY, "BLOCK_T": 64, "num_warps": 4},
+             {**hyper_kernels.MIX_MANY, "BLOCK_T": 128, "num_warps": 8},
              {**hyper_kernels.MIX_MANY, "BLOCK_H": 128},
              {**hyper_kernels.MIX_MANY, "ACT_READY": False},
              {**hyper_kernels.MIX_MANY, "NUM_STAGES": 1}],

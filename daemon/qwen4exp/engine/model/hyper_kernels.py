@@ -32,11 +32,12 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 from .triton_round import interpreted
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-# Decode steps have a few rows: narrow feature blocks spread the weight reads over more programs, and the
-# whole rank in one block issues each stream's weight loads at once (a loop of 64-wide steps left them in
-# series: 17.5 us a call on an H200, 0.37 TB/s).
+# Decode steps have a few rows: the whole rank in one block issues each stream's weight loads at once (a loop
+# of 64-wide steps left them in series). bench/hyper_kernels_bench.py on an H200, one row, in a CUDA graph:
+# 14.5 us; 16-wide features 27.2 us (18.5 us with 2 warps); 64-wide rank steps, pipelined, 26.7 us. Still only
+# ~0.45 TB/s of the up-projection's 6.5 MB: cuBLAS's matrix-vector product plus an epilogue kernel may do better.
 FEW_ROWS = 64
-MIX_FEW = {"BLOCK_T": 16, "BLOCK_H": 16, "BLOCK_K": 512, "NUM_STAGES": 1, "ACT_READY": False, "num_warps": 4}
+MIX_FEW = {"BLOCK_T": 16, "BLOCK_H": 32, "BLOCK_K": 512, "NUM_STAGES": 1, "ACT_READY": False, "num_warps": 4}
 # Many rows (bench/hyper_kernels_bench.py on an H200, 4096 rows): 195 us; 128-row tiles 206 us, unpipelined
 # 243 us, silu recomputed per stream 418 us, 128-wide features 533 us.
 MIX_MANY = {"BLOCK_T": 64, "BLOCK_H": 64, "BLOCK_K": 64, "NUM_STAGES": 3, "ACT_READY": True, "num_warps": 4}
