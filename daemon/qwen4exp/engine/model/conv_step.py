@@ -22,12 +22,18 @@ from .triton_round import interpreted
 BLOCK_C = 128
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """A GPU half-precision tensor outside autograd (the kernels have no backward; training runs torch's)."""
+    return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) \
+        and not torch.is_grad_enabled()
+
+
 def causal_conv_step(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dilation: int,
                      active: torch.Tensor) -> torch.Tensor:
     """silu(conv) of each row's newest input x [N, C] over its kept inputs state [N, C, L] (kernel
     weight [C, 1, K], L = (K - 1) * dilation), summed in float32 and rounded to x's dtype. Active rows keep
     their newest L inputs; the others' state stays as it was."""
-    if triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+    if _fused(x):
         return conv_step_kernel(state, x, weight, dilation, active)
     window = torch.cat((state, x[:, :, None]), dim=-1)
     taps = window[:, :, ::dilation]
@@ -40,7 +46,7 @@ def causal_conv_chunk(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     """silu(conv) over the chunk x [n, C] of one sequence that continues its kept inputs state [C, L], summed
     in float32 and rounded to x's dtype ([n, C]); state becomes the last L inputs."""
     kept = state.shape[-1]
-    if triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+    if _fused(x):
         out = conv_chunk_kernel(state, x, weight, dilation)
         state.copy_(torch.cat((state, x[-kept:].t()), dim=-1)[:, -kept:])
         return out
