@@ -125,9 +125,8 @@ if triton is not None:
 
 def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int, add: torch.Tensor | None = None,
               inject: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., G*group] -> (new x, zero-centred RMSNorm of new x per group), where new x is x, x + add, or
-    x + out * gate per group for inject = (out [..., group], gates [..., G]) (then x is returned as given
-    when neither is set)."""
+    """x [..., G*group] -> (new x, zero-centred RMSNorm of new x per group). New x is x + add, or x + out * gate
+    per group for inject = (out [..., group], gates [..., G]), or x itself when neither is given."""
     width = x.shape[-1]
     if width % group or weight.numel() != width:
         raise ValueError(f"norm width {width} is not whole groups of {group} or does not match weight")
