@@ -27,6 +27,14 @@ def subtitle(r: dict) -> str:
             f"commit {r.get('commit')}, {r['date_utc'][:10]}")
 
 
+def finish(fig, r: dict, path: Path, fontsize: int) -> None:
+    """Title the figure with the run it shows, write it, and free it."""
+    fig.suptitle(subtitle(r), fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_decode(r: dict, path: Path) -> None:
     rows = r["decode"]
     busy = [d["busy"] for d in rows]
@@ -46,10 +54,7 @@ def plot_decode(r: dict, path: Path) -> None:
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(subtitle(r), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    finish(fig, r, path, fontsize=9)
 
 
 def plot_prefill(r: dict, path: Path) -> None:
@@ -71,10 +76,7 @@ def plot_prefill(r: dict, path: Path) -> None:
     ax.minorticks_off()
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(subtitle(r), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    finish(fig, r, path, fontsize=8)
 
 
 def plot_ttft(r: dict, path: Path) -> None:
@@ -92,10 +94,7 @@ def plot_ttft(r: dict, path: Path) -> None:
                  f"restore of a {restore['restored_tokens']}-token snapshot ({pc['tier']}): "
                  f"{restore['restore_ms']:.1f} ms")
     ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(subtitle(r), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    finish(fig, r, path, fontsize=8)
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
