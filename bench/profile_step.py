@@ -1,11 +1,14 @@
 """Where a decode step and a prompt chunk spend their time on a GPU.
 
-    python bench/profile_step.py [--checkpoint DIR | --layers 8] [--slots 4] [--prompt 4096] --out profile.txt
+    python bench/profile_step.py [--checkpoint DIR | --layers 8] [--slots 4] [--prompt 4096] [--long 16384]
+        --out profile.txt
 
 1. decode ms per step (1 and `--slots` busy) for each decode mode: the CUDA graph, the eager step, and the
    graph of the torch.compile'd step (`--compile`);
 2. the torch profiler's top ops for eager decode steps (each op's own time and the launch gaps show), then
-   for one prompt chunk.
+   for one prompt chunk at position 0;
+3. with `--long N`: each chunk's wall time for an N-token prompt (chunks of `--prompt`), and the profile of
+   its last chunk, where attention sees the longest prefix.
 """
 
 from __future__ import annotations
@@ -47,6 +50,32 @@ def decode_ms(engine: Engine, busy: int, prompt: int, steps: int, limit: int) ->
     return elapsed
 
 
+def profile_long_prompt(engine: Engine, length: int, chunk: int, rows: int, limit: int) -> list[str]:
+    """Each chunk's wall time (synchronised) for one `length`-token prompt, then its last chunk's profile."""
+    g = torch.Generator().manual_seed(11)
+    request = engine.submit(Request(prompt_ids=torch.randint(0, limit, (length,), generator=g).tolist(),
+                                    max_tokens=1))
+    chunks = -(-length // chunk)
+    times = []
+    for _ in range(chunks - 1):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(round((time.perf_counter() - started) * 1000, 2))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(round((time.perf_counter() - started) * 1000, 2))
+    engine.run_until_idle()
+    assert request.output_ids and request.error is None, request.error
+    print(f"{length}-token prompt, chunk ms: {times}", flush=True)
+    return [(f"== a {length}-token prompt in chunks of {chunk}: wall ms per chunk {times} (last one under the "
+             "profiler)"), f"== its last chunk (positions {(chunks - 1) * chunk}..{length - 1})",
+            prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--checkpoint", help="a checkpoint directory; else random bench weights on the GPU")
@@ -55,6 +84,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rows", type=int, default=40)
+    parser.add_argument("--long", type=int, default=0, help="also time and profile the chunks of this prompt")
     parser.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -63,7 +93,7 @@ def main() -> None:
     else:
         model = random_model("bench", args.layers, torch.bfloat16, "cuda")
     limit = model.config.eos_token_id
-    context = args.prompt + 2 * args.steps + 64
+    context = max(args.prompt, args.long) + 4 * args.steps + 64
     report, timings = [], {}
     modes = {"graph": {}, "eager": {"cuda_graphs": False}}
     if args.compile:
@@ -106,6 +136,8 @@ def main() -> None:
     report.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
     engine.run_until_idle()
     assert fresh.output_ids
+    if args.long:
+        report += profile_long_prompt(engine, args.long, args.prompt, args.rows, limit)
     text = "\n".join(report)
     open(args.out, "w").write(text)
     print(text)

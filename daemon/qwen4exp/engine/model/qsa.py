@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..state import AttentionState
+from . import qsa_kernels
 from .config import ModelConfig
 from .norms import RMSNorm
 from .rope import apply_rotary
@@ -62,13 +63,9 @@ class Indexer(nn.Module):
         time, so beyond the mask itself the work space grows with the prefix, not with prefix x chunk."""
         n = x.shape[0]
         end = start + n
-        q, raw_keys = self.index_qk_proj(x).split([self.heads * self.dim, self.dim], dim=-1)
-        state.index_keys[start:end] = raw_keys
-        self._compress(start, end, cos_all, sin_all, state)
+        q = self._store_keys(x, start, cos_all, sin_all, state)
         if end <= self.block_topk * self.ratio + self.ratio - 1:
             return None
-        q = apply_rotary(self.q_layernorm(q.reshape(n, self.heads, self.dim)), cos_all[start:end],
-                         sin_all[start:end])
         positions = torch.arange(start, end, device=x.device)
         complete = (positions + 1) // self.ratio                   # complete blocks each query sees
         # A hard top-k has no gradient: spare autograd's bookkeeping when training runs this with it on.
@@ -81,6 +78,51 @@ class Indexer(nn.Module):
                 self._mark_tokens(selected[first:last], chosen, start + first, start + last,
                                   complete[first:last], positions[first:last])
         return selected
+
+    def select_tokens(self, x: torch.Tensor, start: int, cos_all: torch.Tensor, sin_all: torch.Tensor,
+                      state: AttentionState) -> tuple[torch.Tensor, torch.Tensor]:
+        """`select` for the kernels of qsa_kernels: each query's tokens as a list (index, valid [n, S], S =
+        budget + ratio) instead of a mask over the prefix. Same tokens as `select`, in ascending order; a
+        query's list does not depend on the chunk it comes in."""
+        n = x.shape[0]
+        end = start + n
+        q = self._store_keys(x, start, cos_all, sin_all, state)
+        positions = torch.arange(start, end, device=x.device)
+        complete = (positions + 1) // self.ratio
+        if end <= self.block_topk * self.ratio + self.ratio - 1:
+            # Dense: every query sees fewer than block_topk complete blocks, so ranking would keep them all.
+            chosen = torch.arange(self.block_topk, device=x.device).expand(n, -1)
+            return self._token_lists(chosen, complete, positions, state.index_keys.shape[0])
+        blocks = state.block_keys[:end // self.ratio]
+        # The ranking keys ([rows, n_blocks] int64) are the work space that grows with the prefix.
+        chosen = torch.empty(n, self.block_topk, dtype=torch.long, device=x.device)
+        for first, last in _query_slices(n, max(QUERY_SLICE, SCORE_BUDGET_BYTES // (16 * blocks.shape[0]))):
+            keys = qsa_kernels.rank_blocks(q[first:last], blocks, complete[first:last])
+            chosen[first:last] = keys.topk(self.block_topk, dim=-1, sorted=False).indices
+        return self._token_lists(chosen.sort(dim=-1).values, complete, positions, state.index_keys.shape[0])
+
+    def _store_keys(self, x: torch.Tensor, start: int, cos_all: torch.Tensor, sin_all: torch.Tensor,
+                    state: AttentionState) -> torch.Tensor:
+        """Stores the chunk's indexer keys, pools the blocks it completes; returns its normed, rotated
+        indexer queries [n, heads, dim]."""
+        n = x.shape[0]
+        end = start + n
+        q, raw_keys = self.index_qk_proj(x).split([self.heads * self.dim, self.dim], dim=-1)
+        state.index_keys[start:end] = raw_keys
+        self._compress(start, end, cos_all, sin_all, state)
+        return apply_rotary(self.q_layernorm(q.reshape(n, self.heads, self.dim)), cos_all[start:end],
+                            sin_all[start:end])
+
+    def _token_lists(self, chosen: torch.Tensor, complete: torch.Tensor, positions: torch.Tensor,
+                     capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index, valid) [rows, k * ratio + ratio]: the tokens of chosen blocks [rows, k] (valid where the
+        query sees the block), then the query's incomplete tail block up to itself."""
+        within = torch.arange(self.ratio, device=chosen.device)
+        block_tokens = (chosen[:, :, None] * self.ratio + within).flatten(1)
+        tail = complete[:, None] * self.ratio + within
+        index = torch.cat((block_tokens, tail), dim=1).clamp_max(capacity - 1)
+        seen = (chosen < complete[:, None]).repeat_interleave(self.ratio, dim=1)
+        return index, torch.cat((seen, tail <= positions[:, None]), dim=1)
 
     def _chosen_blocks(self, q: torch.Tensor, blocks: torch.Tensor, complete: torch.Tensor) -> torch.Tensor:
         """The visible blocks that each query of a slice keeps: bool [rows, n_blocks]."""
@@ -134,6 +176,10 @@ class Indexer(nn.Module):
         q = apply_rotary(self.q_layernorm(q.reshape(n, self.heads, self.dim)), cos_table[positions],
                          sin_table[positions])
         n_blocks = state.block_keys.shape[1]
+        if qsa_kernels.usable(x):
+            keys = qsa_kernels.rank_blocks(q, state.block_keys, complete)
+            chosen = keys.topk(min(self.block_topk, n_blocks), dim=-1, sorted=False).indices.sort(dim=-1).values
+            return self._token_lists(chosen, complete, positions, state.index_keys.shape[1])
         scores = torch.relu(torch.bmm(q.float(), state.block_keys.float().transpose(1, 2))).sum(1)
         scores = scores / math.sqrt(self.dim) + 0.0      # + 0.0 turns -0.0 into +0.0 for the bit keys below
         # A non-negative float's bits order like its value; the low word makes earlier blocks win ties,
@@ -143,12 +189,7 @@ class Indexer(nn.Module):
         visible = torch.arange(n_blocks, device=device)[None, :] < complete[:, None]
         keys = keys.masked_fill(~visible, -1)
         chosen = keys.topk(min(self.block_topk, n_blocks), dim=-1).indices
-        chosen_valid = visible.gather(1, chosen)
-        block_tokens = (chosen[:, :, None] * self.ratio + within).flatten(1)
-        tail = complete[:, None] * self.ratio + within
-        index = torch.cat((block_tokens, tail), dim=1).clamp_max(state.index_keys.shape[1] - 1)
-        valid = torch.cat((chosen_valid.repeat_interleave(self.ratio, dim=1), tail <= positions[:, None]), dim=1)
-        return index, valid
+        return self._token_lists(chosen, complete, positions, state.index_keys.shape[1])
 
     def _compress(self, start: int, end: int, cos_all, sin_all, state: AttentionState) -> None:
         """Pool, normalise and rotate the blocks completed by this chunk."""
@@ -179,13 +220,20 @@ class QSAAttention(nn.Module):
         """x [n, H] of one sequence whose first token is at `start`; cos/sin cover positions 0..start+n-1."""
         n = x.shape[0]
         end = start + n
-        selected = self.indexer.select(x, start, cos_all, sin_all, state)
+        sparse = qsa_kernels.usable(x)
+        if sparse:
+            index, valid = self.indexer.select_tokens(x, start, cos_all, sin_all, state)
+        else:
+            selected = self.indexer.select(x, start, cos_all, sin_all, state)
         q, gate = self.q_proj(x).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         cos, sin = cos_all[start:end], sin_all[start:end]
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), cos, sin)
         state.keys[:, start:end] = k.transpose(0, 1)
         state.values[:, start:end] = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        if sparse:
+            out = qsa_kernels.sparse_attention(q, state.keys, state.values, index, valid, self.head_dim ** -0.5)
+            return self._output(out.reshape(n, -1), gate)
         if selected is None:
             token = torch.arange(end, device=x.device)
             selected = token[None, :] <= (start + torch.arange(n, device=x.device))[:, None]
@@ -197,8 +245,11 @@ class QSAAttention(nn.Module):
         values = state.values[:, None, :end].expand(-1, groups, -1, -1)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=selected[None, None],
                                              scale=self.head_dim ** -0.5)
-        out = out.reshape(self.heads, n, self.head_dim).transpose(0, 1).reshape(n, self.heads * self.head_dim)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
+        return self._output(out.reshape(self.heads, n, self.head_dim).transpose(0, 1).reshape(n, -1), gate)
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The sigmoid-gated heads [n, heads * head_dim] through o_proj."""
+        return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape[0], -1)))
 
     def decode_rows(self, x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
                     sin_table: torch.Tensor, state: AttentionState, active: torch.Tensor) -> torch.Tensor:
@@ -213,11 +264,15 @@ class QSAAttention(nn.Module):
         k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), cos, sin)
         state.keys[rows, :, positions] = k
         state.values[rows, :, positions] = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        if qsa_kernels.usable(x):
+            out = qsa_kernels.sparse_attention(q, state.keys, state.values, index, valid, self.head_dim ** -0.5,
+                                               splits=qsa_kernels.DECODE_SPLITS)
+            return self._output(out.reshape(n, -1), gate)
         gather = index[:, None, :, None].expand(n, self.kv_heads, index.shape[1], self.head_dim)
         keys = state.keys.gather(2, gather).float()
         values = state.values.gather(2, gather).float()
         q = q.reshape(n, self.kv_heads, self.heads // self.kv_heads, self.head_dim).float()
         scores = (q @ keys.transpose(-1, -2)) * self.head_dim ** -0.5
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        out = (torch.softmax(scores, dim=-1) @ values).to(x.dtype).reshape(n, self.heads * self.head_dim)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
+        out = (torch.softmax(scores, dim=-1) @ values).to(x.dtype)
+        return self._output(out.reshape(n, self.heads * self.head_dim), gate)
