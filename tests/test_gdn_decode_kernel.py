@@ -27,7 +27,8 @@ for name in ("float32", "bfloat16"):
     conv_out = torch.randn(n, 2 * hk * dk + hv * dv, generator=gen).to(dtype)    # q, k, v side by side
     q, k, v = torch.split(conv_out, [hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv))
-    a, b = (torch.randn(n, hv, generator=gen).to(dtype) for _ in range(2))
+    gate_rows = torch.randn(n, 2 * hv + 3, generator=gen).to(dtype)      # a and b: views of one projection
+    a, b = gate_rows[:, :hv], gate_rows[:, hv:2 * hv]
     a_log, dt_bias = torch.randn(hv, generator=gen).to(dtype), torch.rand(hv, generator=gen).to(dtype)
     active = torch.tensor([True, False, True])
     state = torch.randn(n, hv, dk, dv, generator=gen)

@@ -34,9 +34,9 @@ if triton is not None:
     from .triton_round import rounded
 
     @triton.jit
-    def _step_kernel(q_ptr, k_ptr, v_ptr, qkv_row_stride, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, active_ptr,
-                     state_ptr, out_ptr, scale, K_HEADS: tl.constexpr, V_HEADS: tl.constexpr, DK: tl.constexpr,
-                     DV: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_V: tl.constexpr):
+    def _step_kernel(q_ptr, k_ptr, v_ptr, qkv_row_stride, a_ptr, b_ptr, gate_row_stride, a_log_ptr, dt_bias_ptr,
+                     active_ptr, state_ptr, out_ptr, scale, K_HEADS: tl.constexpr, V_HEADS: tl.constexpr,
+                     DK: tl.constexpr, DV: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_V: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)
         block = tl.program_id(2)
@@ -50,10 +50,11 @@ if triton is not None:
         q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
         k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
         v = tl.load(v_ptr + row * qkv_row_stride + head * DV + cols).to(tl.float32)
-        decay = tl.load(a_ptr + row * V_HEADS + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
+        decay = tl.load(a_ptr + row * gate_row_stride + head).to(tl.float32) \
+            + tl.load(dt_bias_ptr + head).to(tl.float32)
         decay = tl.where(decay > 20.0, decay, tl.log(1.0 + tl.exp(decay)))      # softplus, as torch's threshold
         g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * decay
-        beta = tl.sigmoid(tl.load(b_ptr + row * V_HEADS + head).to(tl.float32))
+        beta = tl.sigmoid(tl.load(b_ptr + row * gate_row_stride + head).to(tl.float32))
         beta = rounded(beta, out_ptr.dtype.element_ty, INTERPRETED)
         s_ptrs = state_ptr + ((row * V_HEADS + head) * DK + dk[:, None]).to(tl.int64) * DV + cols[None, :]
         s = tl.load(s_ptrs) * tl.exp(g)
@@ -67,7 +68,7 @@ if triton is not None:
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 a_log: torch.Tensor, dt_bias: torch.Tensor, active: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """q,k [N, Hk, dk], v [N, Hv, dv] (views of one [N, C] conv output row are fine), the raw gate projections
-    a/b [N, Hv], the per-head A_log and dt_bias [Hv], active [N] bool, state [N, Hv, dk, dv] float32
+    a/b [N, Hv] (views of one projection's rows are fine too), the per-head A_log and dt_bias [Hv], active [N] bool, state [N, Hv, dk, dv] float32
     (advanced in place for active rows). Returns o [N, Hv, dv] in v's dtype (zeros for idle rows)."""
     rows, k_heads, dk = q.shape
     v_heads, dv = v.shape[1], v.shape[2]
@@ -78,9 +79,11 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     if k.stride(0) != row_stride or v.stride(0) != row_stride or q.stride()[1:] != (dk, 1) or \
             k.stride()[1:] != (dk, 1) or v.stride()[1:] != (dv, 1):
         raise ValueError("q, k and v must share one row stride, with heads contiguous inside a row")
+    if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
+        a, b = a.contiguous(), b.contiguous()
     out = torch.zeros_like(v, memory_format=torch.contiguous_format)
     _step_kernel[(rows, v_heads, dv // block_v)](
-        q, k, v, row_stride, a.contiguous(), b.contiguous(), a_log, dt_bias, active.to(torch.uint8), state, out,
+        q, k, v, row_stride, a, b, a.stride(0), a_log, dt_bias, active.to(torch.uint8), state, out,
         dk ** -0.5, K_HEADS=k_heads, V_HEADS=v_heads, DK=dk, DV=dv, INTERPRETED=interpreted(v), BLOCK_V=block_v,
         num_warps=4)
     return out

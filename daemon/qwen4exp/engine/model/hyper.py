@@ -9,9 +9,10 @@ from torch import nn
 
 from . import hyper_kernels
 from .norms import RMSNorm
+from .shared_input import SharedInputProjections
 
 
-class GatedResidual(nn.Module):
+class GatedResidual(SharedInputProjections):
     def __init__(self, hidden: int, hc_count: int, lowrank: int, eps: float, inject: bool = True):
         super().__init__()
         self.hidden, self.hc_count = hidden, hc_count
@@ -20,6 +21,12 @@ class GatedResidual(nn.Module):
         self.input_mix_weight_down = nn.Linear(width, lowrank, bias=False)
         self.input_mix_weight_up = nn.Linear(lowrank, width, bias=False)
         self.block_inject_weight = nn.Linear(width, hc_count, bias=False) if inject else None
+        self.stack_input_weights()
+
+    def input_weights(self) -> list[nn.Parameter]:
+        """The mixing's down projection and the injection gates' read the normed streams: one product."""
+        inject = [self.block_inject_weight.weight] if self.block_inject_weight is not None else []
+        return [self.input_mix_weight_down.weight, *inject]
 
     def mix(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """streams [T, hc*H] -> (sublayer input [T, H], per-stream injection gates [T, hc] or None)."""
@@ -34,22 +41,22 @@ class GatedResidual(nn.Module):
         if self._fused(streams):
             streams, normed = hyper_kernels.norm_rows(streams, self.hc_norm.weight, self.hc_norm.eps, self.hidden,
                                                       add, inject)
-            gate_logits = self.block_inject_weight(normed) if self.block_inject_weight is not None else None
-            mixed, gates = hyper_kernels.mix_streams(self.input_mix_weight_down(normed),
-                                                     self.input_mix_weight_up.weight, normed, self.hc_count,
-                                                     gate_logits)
+            down, *gate_logits = self.project_input(normed)
+            mixed, gates = hyper_kernels.mix_streams(down, self.input_mix_weight_up.weight, normed, self.hc_count,
+                                                     gate_logits[0] if gate_logits else None)
             return streams, mixed, gates
         if add is not None:
             streams = streams + add
         elif inject is not None:
             streams = self.inject(streams, *inject)
         normed = self.hc_norm(streams)
-        weights = F.silu(self.input_mix_weight_down(normed) / self.hc_count)
+        down, *gate_logits = self.project_input(normed)
+        weights = F.silu(down / self.hc_count)
         weights = torch.sigmoid(self.input_mix_weight_up(weights)).unflatten(-1, (self.hc_count, self.hidden))
         mixed = (weights * normed.unflatten(-1, (self.hc_count, self.hidden))).mean(dim=-2)
-        if self.block_inject_weight is None:
+        if not gate_logits:
             return streams, mixed, None
-        return streams, mixed, 2 * torch.sigmoid(self.block_inject_weight(normed) / self.hc_count)
+        return streams, mixed, 2 * torch.sigmoid(gate_logits[0] / self.hc_count)
 
     def _fused(self, streams: torch.Tensor) -> bool:
         hc = self.hc_count

@@ -1,5 +1,6 @@
 """The sparse MoE block: softmax router with normalised top-k, routed SwiGLU experts, and a shared
-expert behind a sigmoid gate."""
+expert behind a sigmoid gate. The router, the shared expert's gate/up and its sigmoid gate read the same
+input and run as one product (shared_input.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import moe_kernels
+from .shared_input import SharedInputProjections
 
 
 class SwiGLU(nn.Module):
@@ -18,7 +20,11 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.from_projections(self.gate_proj(x), self.up_proj(x))
+
+    def from_projections(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The output given gate_proj(x) and up_proj(x)."""
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):
@@ -27,9 +33,11 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
         self.top_k, self.normalize = top_k, normalize
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (expert ids [T, k], weights [T, k] in x's dtype)."""
-        logits = F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (expert ids [T, k], weights [T, k] in x's dtype). `logits`: x's product with the weight,
+        when the caller has it already (x is still passed, for the training forward's hooks)."""
+        if logits is None:
+            logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
@@ -99,7 +107,7 @@ class Experts(nn.Module):
         return out
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(SharedInputProjections):
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, shared_intermediate: int,
                  normalize: bool):
         super().__init__()
@@ -107,15 +115,21 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(num_experts, hidden, intermediate)
         self.shared_expert = SwiGLU(hidden, shared_intermediate)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+        self.stack_input_weights()
+
+    def input_weights(self) -> list[nn.Parameter]:
+        return [self.gate.weight, self.shared_expert.gate_proj.weight, self.shared_expert.up_proj.weight,
+                self.shared_expert_gate.weight]
 
     def forward(self, x: torch.Tensor, fixed_rows: bool = False, active: torch.Tensor | None = None) -> torch.Tensor:
         """fixed_rows: a decode step over all slots (each row's result independent of the others'); active
         [T] bool marks the rows in use there, the others' routed output is zero (their shared-expert term
         is still computed)."""
-        shared = self.shared_expert(x)
-        ids, weights = self.gate(x)
+        router_logits, swiglu_gate, swiglu_up, shared_gate_logit = self.project_input(x)
+        ids, weights = self.gate(x, router_logits)
+        shared = self.shared_expert.from_projections(swiglu_gate, swiglu_up)
         if fixed_rows:
             routed = self.experts.forward_per_row(x, ids, weights, active)
         else:
             routed = self.experts(x, ids, weights)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return routed + torch.sigmoid(shared_gate_logit) * shared
