@@ -1,8 +1,7 @@
 """Projections that read the same input run as one product (engine/model/shared_input.py): Gated DeltaNet's
 in_proj_qkv/z/b/a, the MoE block's router, shared-expert gate/up and shared-expert gate, and a hyper-connection's
-mixing down-projection and injection gates. The one product must
-give what the separate products give, its weight must be the loaded parameters' own memory (no copy), and
-training must still reach every weight."""
+mixing down-projection and injection gates. The one product must give what the separate products give, its weight
+must be the loaded parameters' own memory (no copy), and training must still reach every weight."""
 
 from __future__ import annotations
 
