@@ -377,7 +377,8 @@ def measure_prefix_cache(model, args, limit: int, device: torch.device) -> dict:
     cache = PrefixCache(args.restore_spacing, int(args.cache_limit_gib * GiB), backend,
                         model.config.indexer_compress_ratio)
     context = max(args.ttft_tokens, args.restore_tokens) + args.ttft_new_tokens + 1
-    engine = Engine(model, slots=args.slots, context=context, chunk=args.chunk, prefix_cache=cache)
+    engine = Engine(model, slots=args.slots, context=context, chunk=args.chunk, prefix_cache=cache,
+                    compile_decode=args.compile_decode)
     prompt = prompt_ids(args.ttft_tokens, limit, 300)
     cold, cold_s = first_token(engine, prompt, args.ttft_new_tokens, device)
     engine.run_until_idle()
@@ -493,6 +494,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="the results JSON")
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--chunk", type=int, default=4096, help="prefill chunk of every engine")
+    p.add_argument("--compile-decode", action="store_true", help="engines torch.compile their decode step")
     p.add_argument("--context", type=int, default=0,
                    help="context of the decode/prefill engine (0: the longest prefill run + room, rounded to --chunk)")
     p.add_argument("--busy", type=sizes, default=[1, 2, 4], help="busy slot counts to time decode at")
@@ -578,7 +580,7 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
                   args.chunk + 2, 64])
     context = args.context or -(-(needed + 1) // args.chunk) * args.chunk
     t = time.perf_counter()
-    engine = Engine(model, slots=args.slots, context=context, chunk=args.chunk)
+    engine = Engine(model, slots=args.slots, context=context, chunk=args.chunk, compile_decode=args.compile_decode)
     sync(device)
     engine_s = time.perf_counter() - t
     t = time.perf_counter()
@@ -596,7 +598,7 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
     check([shaped], "the prefill warm-up request")
     logits = probe.close()
     result["startup"] = {
-        "model_s": model_s, "engine_s": engine_s, "first_request_s": warmup_s,
+        "compile_decode": args.compile_decode, "model_s": model_s, "engine_s": engine_s, "first_request_s": warmup_s,
         "ready_s": ready - started_at - ceilings_s, "ready_s_with_ceilings": ready - started_at,
         "prefill_warmup_s": time.perf_counter() - t, "context": context, "logits": logits}
     if logits["finite"] is False:
