@@ -162,8 +162,8 @@ ATTENTION = [f"{d} {g} per_row={p} splits={s}" for d in ("bfloat16", "float16") 
 @pytest.mark.parametrize("case", ATTENTION)
 def test_sparse_attention_matches_softmax_over_the_gathered_tokens(results, case):
     r = results[case]
-    # The softmax weights enter the value product in the model dtype (as in flash attention): bf16's 8 bits.
-    assert r["finite"] and r["err"] <= 2 ** -7 * max(1.0, r["scale"]), r
+    # The softmax weights reach the value product with ~16 bits; values and output are in the model dtype.
+    assert r["finite"] and r["err"] <= 2 ** -8 * max(1.0, r["scale"]), r
 
 
 @pytest.mark.gpu
