@@ -4,8 +4,9 @@ Run on a GPU host with `pytest -m gpu`. In bfloat16 both sides use flash-linear-
 kernels (transformers picks them up when installed); they round differently, so each bf16 run is measured
 against the float32 reference: our error may not exceed the reference's own by more than 50%. In float32
 we run the exact torch forms (fla's chunk kernel rounds through TF32), and so does the reference here.
-Greedy ids must agree, except where the bf16 reference or the float32 one sees a near-tie (two candidates
-within BF16_TIE of each other) at the first difference.
+Greedy ids must agree, except where the two candidates at the first difference are a near-tie in the bf16
+reference (within BF16_TIE) or, in the float32 reference, no further apart than 1.5x the bf16 reference's own
+error at that step (the same allowance as the error bound).
 """
 
 from __future__ import annotations
@@ -123,13 +124,15 @@ def test_greedy_ids_match_reference(models, name):
     first = next(i for i, (a, b) in enumerate(zip(expected, got)) if a != b)
     logits = out.logits[first][0].float()
     gap = (logits[expected[first]] - logits[got[first]]).abs().item()
-    # The float32 reference on the same context tells whether the two candidates are a near-tie in truth too.
+    # The float32 reference on the same context: how far apart the two candidates truly are, against how far
+    # the bf16 reference's own logits are from the truth at that very step (its rounding noise there).
     context = torch.cat([ids, torch.tensor(expected[:first], device=ids.device, dtype=ids.dtype)])
     truth = _reference(ref["float32"], context)[-1]
     truth_gap = (truth[expected[first]] - truth[got[first]]).abs().item()
+    noise = (logits - truth).abs().max().item()
     print(f"bfloat16: ids differ first at step {first}; the logit gap there is {gap:.4g} in the bf16 reference, "
-          f"{truth_gap:.4g} in the float32 one")
-    assert min(gap, truth_gap) < BF16_TIE, "a difference that is not a near-tie"
+          f"{truth_gap:.4g} in the float32 one, whose distance to the bf16 reference's logits is {noise:.4g}")
+    assert gap < BF16_TIE or truth_gap <= 1.5 * noise, "a difference larger than the bf16 reference's own error"
 
 
 @pytest.mark.parametrize("name", DTYPES)
