@@ -5,8 +5,9 @@ kernels (transformers picks them up when installed); they round differently, so 
 against the float32 reference: our error may not exceed the reference's own by more than 50%. In float32
 we run the exact torch forms (fla's chunk kernel rounds through TF32), and so does the reference here.
 Greedy ids must agree, except where the two candidates at the first difference are a near-tie in the bf16
-reference (within BF16_TIE) or, in the float32 reference, no further apart than 1.5x the bf16 reference's own
-error at that step (the same allowance as the error bound).
+reference (within BF16_TIE) or, in the float32 reference, no further apart than the largest logit error the bf16
+reference itself makes over that run (on this tiny random model, bf16 moves a top-2 gap by up to ~0.8 in the
+torch forms alone: see docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -124,15 +125,15 @@ def test_greedy_ids_match_reference(models, name):
     first = next(i for i, (a, b) in enumerate(zip(expected, got)) if a != b)
     logits = out.logits[first][0].float()
     gap = (logits[expected[first]] - logits[got[first]]).abs().item()
-    # The float32 reference on the same context: how far apart the two candidates truly are, against how far
-    # the bf16 reference's own logits are from the truth at that very step (its rounding noise there).
-    context = torch.cat([ids, torch.tensor(expected[:first], device=ids.device, dtype=ids.dtype)])
-    truth = _reference(ref["float32"], context)[-1]
-    truth_gap = (truth[expected[first]] - truth[got[first]]).abs().item()
-    noise = (logits - truth).abs().max().item()
+    # The float32 reference tells how far apart the two candidates truly are; bf16 noise is the largest error the
+    # bf16 reference itself makes against it over this run's generated steps.
+    sequence = torch.cat([ids, torch.tensor(expected, device=ids.device, dtype=ids.dtype)])
+    truth = _reference(ref["float32"], sequence)[ids.numel() - 1:-1]
+    truth_gap = (truth[first, expected[first]] - truth[first, got[first]]).abs().item()
+    noise = (torch.stack(out.logits)[:, 0].float() - truth).abs().max().item()
     print(f"bfloat16: ids differ first at step {first}; the logit gap there is {gap:.4g} in the bf16 reference, "
-          f"{truth_gap:.4g} in the float32 one, whose distance to the bf16 reference's logits is {noise:.4g}")
-    assert gap < BF16_TIE or truth_gap <= 1.5 * noise, "a difference larger than the bf16 reference's own error"
+          f"{truth_gap:.4g} in the float32 one; the bf16 reference's own error over the run is up to {noise:.4g}")
+    assert gap < BF16_TIE or truth_gap <= noise, "a difference larger than the bf16 reference's own error"
 
 
 @pytest.mark.parametrize("name", DTYPES)

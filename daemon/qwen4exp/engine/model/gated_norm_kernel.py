@@ -25,8 +25,8 @@ if triton is not None:
     from .triton_round import round_to, rounded
 
     @triton.jit
-    def _gated_norm_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, eps, DIM: tl.constexpr, SILU: tl.constexpr,
-                           INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
+    def _gated_norm_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, eps: tl.constexpr, DIM: tl.constexpr,
+                           SILU: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < DIM

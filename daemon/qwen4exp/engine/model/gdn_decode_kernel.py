@@ -35,7 +35,7 @@ if triton is not None:
 
     @triton.jit
     def _step_kernel(q_ptr, k_ptr, v_ptr, qkv_row_stride, a_ptr, b_ptr, gate_row_stride, a_log_ptr, dt_bias_ptr,
-                     active_ptr, state_ptr, out_ptr, scale, K_HEADS: tl.constexpr, V_HEADS: tl.constexpr,
+                     active_ptr, state_ptr, out_ptr, scale: tl.constexpr, K_HEADS: tl.constexpr, V_HEADS: tl.constexpr,
                      DK: tl.constexpr, DV: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_V: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)

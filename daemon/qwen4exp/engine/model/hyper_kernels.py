@@ -53,7 +53,7 @@ if triton is not None:
     from .triton_round import round_to, rounded
 
     @triton.jit
-    def _norm_kernel(x_ptr, add_ptr, out_ptr, gates_ptr, weight_ptr, new_x_ptr, normed_ptr, eps,
+    def _norm_kernel(x_ptr, add_ptr, out_ptr, gates_ptr, weight_ptr, new_x_ptr, normed_ptr, eps: tl.constexpr,
                      GROUP: tl.constexpr, GROUPS: tl.constexpr, MODE: tl.constexpr, INTERPRETED: tl.constexpr,
                      BLOCK: tl.constexpr):
         """One (row, group): MODE 0 norms x; 1 adds add[row] first; 2 adds out[row] * gate[row, group]."""

@@ -52,7 +52,7 @@ if triton is not None:
     from .triton_round import round_to
 
     @triton.jit
-    def _rank_kernel(q_ptr, keys_ptr, complete_ptr, out_ptr, rows, n_blocks, keys_row_stride, sqrt_dim,
+    def _rank_kernel(q_ptr, keys_ptr, complete_ptr, out_ptr, rows, n_blocks, keys_row_stride, sqrt_dim: tl.constexpr,
                      HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, DIM: tl.constexpr, QUERIES: tl.constexpr,
                      BLOCK_B: tl.constexpr, INTERPRETED: tl.constexpr):
         """QUERIES query rows x BLOCK_B blocks. With one query per program each row may have its own block
@@ -83,7 +83,7 @@ if triton is not None:
 
     @triton.jit
     def _attend_kernel(q_ptr, k_ptr, v_ptr, index_ptr, valid_ptr, out_ptr, part_ptr, stats_ptr, tokens,
-                       per_split, kv_row_stride, kv_head_stride, scale, HEADS: tl.constexpr,
+                       per_split, kv_row_stride, kv_head_stride, scale: tl.constexpr, HEADS: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
                        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
         """One (query row, K/V head, list part): the group's query heads over the part's listed tokens."""

@@ -22,7 +22,7 @@ if triton is not None:
     def _bf16_bits(v):
         """float32 -> the float32 whose low 16 bits are cleared after rounding to nearest even: integer ops,
         so no compiler can fold a float round trip away or fuse it into an FMA."""
-        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)   # float32 first: inductor may hand float64
+        bits = v.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True)
 
