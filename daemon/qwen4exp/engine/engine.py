@@ -208,14 +208,14 @@ class Engine:
             ids = torch.tensor(request.prompt_ids[begin:end], dtype=torch.long, device=self.device)
             saved = [t.clone() for t in slot.state.carried()]
 
-            def run_chunk() -> torch.Tensor:
+            def run_chunk(saved: list[torch.Tensor] = saved) -> torch.Tensor:
                 for target, copy in zip(slot.state.carried(), saved):
                     target.copy_(copy)          # a retry starts from the state before the failed try
                 slot.state.length = begin
                 return self.model([Segment(ids, slot.state)])[0]
 
             logits = run_with_oom_retry(run_chunk, self.device, f"the prompt chunk {begin}..{end} of {request.id}")
-            del saved
+            del saved, run_chunk                 # the state copies go before the cache is emptied
             release_cached_blocks(self.device)   # give back what this chunk's temporaries grew
             slot.prefilled = end
             if self.prefix_cache is not None and end % self.restore_spacing == 0:
