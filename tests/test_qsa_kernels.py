@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,22 +19,15 @@ if importlib.util.find_spec("triton") is None:
 
 # Shared by the child process and the GPU test: the torch reference and the cases.
 COMMON = r"""
-import json, math, torch
-from qwen4exp.checkpoint.presets import preset_config
+import json, math, sys, torch
+sys.path.insert(0, TESTS)
 from qwen4exp.engine.model import qsa, qsa_kernels
-from qwen4exp.engine.model.config import ModelConfig
-from qwen4exp.engine.model.rope import Rotary
 from qwen4exp.engine.state import AttentionState
+from test_qsa_select import ROTARY, make_indexer as float32_indexer
 
 
 def make_indexer(overrides, dtype, device, seed):
-    cfg = ModelConfig.from_dict({**preset_config("tiny", dtype="float32")["text_config"], **overrides})
-    torch.manual_seed(seed)
-    indexer = qsa.Indexer(cfg)
-    with torch.no_grad():                                  # norms start at identity; make them matter
-        indexer.q_layernorm.weight.normal_(0, 0.3)
-        indexer.k_layernorm.weight.normal_(0, 0.3)
-    return indexer.to(device=device, dtype=dtype), Rotary(cfg.rotary_dim, 1e7)
+    return float32_indexer(overrides, seed).to(device=device, dtype=dtype), ROTARY
 
 
 def empty_state(indexer, capacity, dtype, device):
@@ -106,7 +100,7 @@ def attention_errors(case, splits):
             "finite": bool(torch.isfinite(got).all())}
 """
 
-CHILD = COMMON + r"""
+CHILD = f"TESTS = {str(Path(__file__).parent)!r}\n" + COMMON + r"""
 qsa.QUERY_SLICE, qsa.SCORE_BUDGET_BYTES = 32, 0                    # several slices per chunk
 results = {}
 for dtype_name in ("float32", "bfloat16"):
@@ -170,7 +164,7 @@ def test_sparse_attention_matches_softmax_over_the_gathered_tokens(results, case
 def test_kernels_at_shipped_sizes_on_gpu():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA/ROCm device")
-    scope: dict = {}
+    scope: dict = {"TESTS": str(Path(__file__).parent)}
     exec(COMMON, scope)                                    # noqa: S102 - the shared reference above
     gen = torch.Generator().manual_seed(6)
     # 24 query heads over 2 K/V heads of 256, lists of 512 blocks of 4 + the tail, as shipped.
