@@ -35,8 +35,9 @@ if triton is not None:
 
     @triton.jit
     def _step_kernel(q_ptr, k_ptr, v_ptr, qkv_row_stride, a_ptr, b_ptr, gate_row_stride, a_log_ptr, dt_bias_ptr,
-                     active_ptr, state_ptr, out_ptr, scale: tl.constexpr, K_HEADS: tl.constexpr, V_HEADS: tl.constexpr,
-                     DK: tl.constexpr, DV: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_V: tl.constexpr):
+                     active_ptr, state_ptr, out_ptr, scale: tl.constexpr, K_HEADS: tl.constexpr,
+                     V_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, INTERPRETED: tl.constexpr,
+                     BLOCK_V: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)
         block = tl.program_id(2)
@@ -68,7 +69,8 @@ if triton is not None:
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 a_log: torch.Tensor, dt_bias: torch.Tensor, active: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """q,k [N, Hk, dk], v [N, Hv, dv] (views of one [N, C] conv output row are fine), the raw gate projections
-    a/b [N, Hv] (views of one projection's rows are fine too), the per-head A_log and dt_bias [Hv], active [N] bool, state [N, Hv, dk, dv] float32
+    a/b [N, Hv] (views of one projection's rows are fine too), the per-head A_log and dt_bias [Hv], active [N]
+    bool, state [N, Hv, dk, dv] float32
     (advanced in place for active rows). Returns o [N, Hv, dv] in v's dtype (zeros for idle rows)."""
     rows, k_heads, dk = q.shape
     v_heads, dv = v.shape[1], v.shape[2]

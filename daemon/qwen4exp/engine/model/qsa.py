@@ -4,7 +4,9 @@ An indexer scores compressed keys (the mean of every complete block of `ratio` t
 rotated at the block's first position) against its own multi-head query: relu(q_h . k_b) summed over
 heads. Each query attends to the tokens of its top `budget / ratio` blocks plus the incomplete tail
 block (which holds the query itself). Up to `dense_limit` visible tokens this is every token.
-Attention itself is gated multi-query attention with q/k RMSNorm and partial RoPE.
+Attention itself is gated multi-query attention with q/k RMSNorm and partial RoPE. On GPUs in bf16/fp16 the
+ranking and the attention run as the Triton kernels of qsa_kernels.py over each query's token list; the torch
+forms here (a mask over the prefix in prefill) serve the CPU, float32 and training.
 """
 
 from __future__ import annotations
