@@ -192,3 +192,13 @@ def test_kernels_at_shipped_sizes_on_gpu():
                                                              device="cuda")) != m).any(1).sum())
                         for m, (i, v) in zip(masks, lists))
         assert differing <= 6, f"{differing} of 6000 queries chose other blocks than the torch form"
+
+
+def test_shapes_the_kernels_cannot_tile_take_the_torch_forms():
+    from qwen4exp.engine.model import qsa_kernels
+
+    assert qsa_kernels.fits(256, 24, 2, 128, 4)                 # the shipped model
+    assert qsa_kernels.fits(32, 4, 2, 16, 8)                    # the tiny preset
+    assert not qsa_kernels.fits(96, 24, 2, 128, 4)              # head dim not a power of two
+    assert not qsa_kernels.fits(256, 24, 2, 8, 4)               # indexer dim under tl.dot's 16
+    assert not qsa_kernels.fits(256, 24, 5, 128, 4)             # query heads not whole K/V groups

@@ -156,8 +156,8 @@ class Indexer(nn.Module):
         selected[:, low:last].logical_or_(tail)
 
     def decode_select(self, x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
-                      sin_table: torch.Tensor, state: AttentionState, active: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      sin_table: torch.Tensor, state: AttentionState, active: torch.Tensor,
+                      kernels_fit: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One query per row (x [N, H] at `positions` [N], batched state): stores its indexer key, pools the
         block it completes, and returns the tokens it attends to as fixed-size (index [N, S], valid [N, S]):
         the top blocks' tokens plus the incomplete tail block. Same choice as `select`, at fixed shapes."""
@@ -178,7 +178,7 @@ class Indexer(nn.Module):
         q = apply_rotary(self.q_layernorm(q.reshape(n, self.heads, self.dim)), cos_table[positions],
                          sin_table[positions])
         n_blocks = state.block_keys.shape[1]
-        if qsa_kernels.usable(x):
+        if kernels_fit and qsa_kernels.usable(x):
             keys = qsa_kernels.rank_blocks(q, state.block_keys, complete)
             chosen = keys.topk(min(self.block_topk, n_blocks), dim=-1, sorted=False).indices.sort(dim=-1).values
             return self._token_lists(chosen, complete, positions, state.index_keys.shape[1])
@@ -216,13 +216,15 @@ class QSAAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.indexer = Indexer(cfg)
+        self.kernels_fit = qsa_kernels.fits(self.head_dim, self.heads, self.kv_heads, self.indexer.dim,
+                                            self.indexer.heads)
 
     def forward(self, x: torch.Tensor, start: int, cos_all: torch.Tensor, sin_all: torch.Tensor,
                 state: AttentionState) -> torch.Tensor:
         """x [n, H] of one sequence whose first token is at `start`; cos/sin cover positions 0..start+n-1."""
         n = x.shape[0]
         end = start + n
-        sparse = qsa_kernels.usable(x)
+        sparse = self.kernels_fit and qsa_kernels.usable(x)
         if sparse:
             index, valid = self.indexer.select_tokens(x, start, cos_all, sin_all, state)
         else:
@@ -259,14 +261,15 @@ class QSAAttention(nn.Module):
         attention reads only the selected tokens' K/V (gathered), in float32."""
         n = x.shape[0]
         rows = torch.arange(n, device=x.device)
-        index, valid = self.indexer.decode_select(x, positions, cos_table, sin_table, state, active)
+        index, valid = self.indexer.decode_select(x, positions, cos_table, sin_table, state, active,
+                                                  self.kernels_fit)
         cos, sin = cos_table[positions], sin_table[positions]
         q, gate = self.q_proj(x).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), cos, sin)
         state.keys[rows, :, positions] = k
         state.values[rows, :, positions] = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
-        if qsa_kernels.usable(x):
+        if self.kernels_fit and qsa_kernels.usable(x):
             out = qsa_kernels.sparse_attention(q, state.keys, state.values, index, valid, self.head_dim ** -0.5,
                                                splits=qsa_kernels.DECODE_SPLITS)
             return self._output(out.reshape(n, -1), gate)

@@ -48,6 +48,14 @@ def usable(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dtype in SUPPORTED_DTYPES and not torch.is_grad_enabled()
 
 
+def fits(head_dim: int, heads: int, kv_heads: int, index_dim: int, index_heads: int) -> bool:
+    """Whether a model's QSA shapes suit the kernels (tile dims are powers of two >= 16, tl.dot's smallest);
+    others run the torch forms."""
+    def tile(d: int) -> bool:
+        return d >= 16 and d & (d - 1) == 0
+    return tile(head_dim) and tile(index_dim) and heads % kv_heads == 0 and index_heads <= 64
+
+
 if triton is not None:
     from .triton_round import round_to
 
