@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from hyper_kernels_bench import time_us
 from qwen4exp.engine.model import qsa_kernels
+from qwen4exp.engine.model.qsa import token_lists
 
 HEADS, KV, DIM, INDEX_HEADS, INDEX_DIM, RATIO, TOPK = 24, 2, 256, 4, 128, 4, 512
 TILES = [(64, 4), (32, 4), (64, 8), (128, 8)]          # (ATTEND_TOKENS, ATTEND_WARPS)
@@ -35,14 +36,6 @@ def time_ms(fn, reps: int = 5) -> float:
     end.record()
     torch.cuda.synchronize()
     return round(start.elapsed_time(end) / reps, 3)
-
-
-def token_lists(chosen: torch.Tensor, complete: torch.Tensor, positions: torch.Tensor):
-    within = torch.arange(RATIO, device=chosen.device)
-    tail = complete[:, None] * RATIO + within
-    index = torch.cat(((chosen[:, :, None] * RATIO + within).flatten(1), tail), dim=1)
-    valid = torch.cat(((chosen < complete[:, None]).repeat_interleave(RATIO, 1), tail <= positions[:, None]), 1)
-    return index, valid
 
 
 def with_tiles(tokens: int, warps: int, fn):
@@ -73,7 +66,7 @@ def prefill(prefix: int, n: int, gen: torch.Generator) -> dict:
         scores.masked_fill_(torch.arange(blocks.shape[0], device=dev)[None, :] >= complete[:, None], float("-inf"))
         return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :TOPK]
 
-    index, valid = token_lists(rank_kernel(), complete, positions)
+    index, valid = token_lists(rank_kernel(), complete, positions, RATIO, end)
     mask = torch.zeros(n, end, dtype=torch.bool, device=dev)
     mask[torch.arange(n, device=dev)[:, None].expand_as(index)[valid], index[valid]] = True
     groups = HEADS // KV
@@ -109,7 +102,7 @@ def decode(rows: int, capacity: int, length: int, gen: torch.Generator) -> dict:
         ranked = qsa_kernels.rank_blocks(index_q, blocks, complete)
         return ranked.topk(TOPK, dim=-1, sorted=False).indices.sort(dim=-1).values
 
-    index, valid = token_lists(rank(), complete, positions)
+    index, valid = token_lists(rank(), complete, positions, RATIO, capacity)
     result = {"rank kernel + topk us": round(time_us(rank), 1)}
     for splits in (1, 4, 8, 16):
         result[f"attention {splits} splits us"] = round(time_us(

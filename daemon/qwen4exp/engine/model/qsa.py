@@ -49,6 +49,18 @@ def _query_slices(n: int, most: int | None = None) -> list[tuple[int, int]]:
     return list(pairwise(bounds))
 
 
+def token_lists(chosen: torch.Tensor, complete: torch.Tensor, positions: torch.Tensor, ratio: int,
+                capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, valid) [rows, k * ratio + ratio]: the tokens of chosen blocks [rows, k] (valid where the query
+    sees the block), then the query's incomplete tail block up to itself."""
+    within = torch.arange(ratio, device=chosen.device)
+    block_tokens = (chosen[:, :, None] * ratio + within).flatten(1)
+    tail = complete[:, None] * ratio + within
+    index = torch.cat((block_tokens, tail), dim=1).clamp_max(capacity - 1)
+    seen = (chosen < complete[:, None]).repeat_interleave(ratio, dim=1)
+    return index, torch.cat((seen, tail <= positions[:, None]), dim=1)
+
+
 class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -94,14 +106,14 @@ class Indexer(nn.Module):
         if end <= self.block_topk * self.ratio + self.ratio - 1:
             # Dense: every query sees fewer than block_topk complete blocks, so ranking would keep them all.
             chosen = torch.arange(self.block_topk, device=x.device).expand(n, -1)
-            return self._token_lists(chosen, complete, positions, state.index_keys.shape[0])
+            return token_lists(chosen, complete, positions, self.ratio, state.index_keys.shape[0])
         blocks = state.block_keys[:end // self.ratio]
         # The ranking keys ([rows, n_blocks] int64) are the work space that grows with the prefix.
         chosen = torch.empty(n, self.block_topk, dtype=torch.long, device=x.device)
         for first, last in _query_slices(n, max(QUERY_SLICE, SCORE_BUDGET_BYTES // (16 * blocks.shape[0]))):
             keys = qsa_kernels.rank_blocks(q[first:last], blocks, complete[first:last])
             chosen[first:last] = keys.topk(self.block_topk, dim=-1, sorted=False).indices
-        return self._token_lists(chosen.sort(dim=-1).values, complete, positions, state.index_keys.shape[0])
+        return token_lists(chosen.sort(dim=-1).values, complete, positions, self.ratio, state.index_keys.shape[0])
 
     def _store_keys(self, x: torch.Tensor, start: int, cos_all: torch.Tensor, sin_all: torch.Tensor,
                     state: AttentionState) -> torch.Tensor:
@@ -114,17 +126,6 @@ class Indexer(nn.Module):
         self._compress(start, end, cos_all, sin_all, state)
         return apply_rotary(self.q_layernorm(q.reshape(n, self.heads, self.dim)), cos_all[start:end],
                             sin_all[start:end])
-
-    def _token_lists(self, chosen: torch.Tensor, complete: torch.Tensor, positions: torch.Tensor,
-                     capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(index, valid) [rows, k * ratio + ratio]: the tokens of chosen blocks [rows, k] (valid where the
-        query sees the block), then the query's incomplete tail block up to itself."""
-        within = torch.arange(self.ratio, device=chosen.device)
-        block_tokens = (chosen[:, :, None] * self.ratio + within).flatten(1)
-        tail = complete[:, None] * self.ratio + within
-        index = torch.cat((block_tokens, tail), dim=1).clamp_max(capacity - 1)
-        seen = (chosen < complete[:, None]).repeat_interleave(self.ratio, dim=1)
-        return index, torch.cat((seen, tail <= positions[:, None]), dim=1)
 
     def _chosen_blocks(self, q: torch.Tensor, blocks: torch.Tensor, complete: torch.Tensor) -> torch.Tensor:
         """The visible blocks that each query of a slice keeps: bool [rows, n_blocks]."""
@@ -181,7 +182,7 @@ class Indexer(nn.Module):
         if kernels_fit and qsa_kernels.usable(x):
             keys = qsa_kernels.rank_blocks(q, state.block_keys, complete)
             chosen = keys.topk(min(self.block_topk, n_blocks), dim=-1, sorted=False).indices.sort(dim=-1).values
-            return self._token_lists(chosen, complete, positions, state.index_keys.shape[1])
+            return token_lists(chosen, complete, positions, self.ratio, state.index_keys.shape[1])
         scores = torch.relu(torch.bmm(q.float(), state.block_keys.float().transpose(1, 2))).sum(1)
         scores = scores / math.sqrt(self.dim) + 0.0      # + 0.0 turns -0.0 into +0.0 for the bit keys below
         # A non-negative float's bits order like its value; the low word makes earlier blocks win ties,
@@ -191,7 +192,7 @@ class Indexer(nn.Module):
         visible = torch.arange(n_blocks, device=device)[None, :] < complete[:, None]
         keys = keys.masked_fill(~visible, -1)
         chosen = keys.topk(min(self.block_topk, n_blocks), dim=-1).indices
-        return self._token_lists(chosen, complete, positions, state.index_keys.shape[1])
+        return token_lists(chosen, complete, positions, self.ratio, state.index_keys.shape[1])
 
     def _compress(self, start: int, end: int, cos_all, sin_all, state: AttentionState) -> None:
         """Pool, normalise and rotate the blocks completed by this chunk."""
