@@ -136,9 +136,10 @@ def test_an_engine_error_fails_that_request_only(model, monkeypatch):
     engine.step()
     slot = next(s for s in engine.pool.slots if s.request is doomed)
 
-    def broken(logits):
+    def broken(*_):
         raise RuntimeError("sampler exploded")
-    monkeypatch.setattr(slot, "sampler", broken)
+    assert slot.sampler.takes_argmax          # greedy: the engine hands the sampler the batch's argmax
+    monkeypatch.setattr(slot.sampler, "take", broken)
     engine.run_until_idle()
     assert doomed.finish_reason is FinishReason.ERROR and "sampler exploded" in doomed.error
     assert healthy.output_ids == _alone(model, spec)

@@ -100,6 +100,23 @@ def check_rows_inactive_are_zero_and_rows_independent():
     assert torch.equal(again, out)  # run to run
 
 
+def check_rows_shared_term_matches_torch():
+    """The shared expert's gated term added in the slot sum's kernel equals torch's routed + sigmoid(g) * s in
+    the model dtype bit for bit, idle rows included (their routed part is zero)."""
+    import torch
+
+    from qwen4exp.engine.model.moe_kernels import moe_rows
+
+    gate_up, down, gen, dtype = _setup("bfloat16", seed=5)
+    x, ids, weights = _routing(4, gen, dtype)
+    active = torch.tensor([True, False, True, True])
+    term = torch.randn(4, H, generator=gen).to(dtype)
+    wide = torch.randn(4, 3, generator=gen).to(dtype)        # the gate logit as a column view, as in the block
+    got = moe_rows(x, ids, weights, gate_up, down, active, shared=(term, wide[:, 1:2]))
+    want = moe_rows(x, ids, weights, gate_up, down, active) + torch.sigmoid(wide[:, 1:2]) * term
+    assert torch.equal(got, want)
+
+
 def check_grouped_match_reference():
     import torch
 

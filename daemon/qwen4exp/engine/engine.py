@@ -256,9 +256,17 @@ class Engine:
             return
         for slot in active:
             slot.state.length += 1
+        argmax = None
         for slot in active:
             try:
-                self._accept(slot, slot.sampler(logits[slot.index]))
+                sampler = slot.sampler
+                if sampler.takes_argmax:
+                    if argmax is None:  # every greedy row's token from one kernel and one wait for the device
+                        argmax = torch.argmax(logits, dim=-1).tolist()
+                    token = sampler.take(argmax[slot.index])
+                else:
+                    token = sampler(logits[slot.index])
+                self._accept(slot, token)
             except Exception as err:  # noqa: BLE001
                 log.exception("sampling failed for %s", slot.request.id)
                 self._finish(slot, slot.request, FinishReason.ERROR, f"{type(err).__name__}: {err}")

@@ -140,6 +140,17 @@ class Sampler:
             self._seen = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)
         return self._seen, self._counts
 
+    @property
+    def takes_argmax(self) -> bool:
+        """Greedy without penalties: the token is the logits' first maximum, which the engine computes for all
+        rows of a decode step at once and hands to `take`."""
+        return self.params.greedy and not self.params.penalized
+
+    def take(self, token: int) -> int:
+        """Record a token chosen outside (a batch's argmax, for a sampler that takes_argmax) and return it."""
+        self._record(token)
+        return token
+
     def _record(self, token: int) -> None:
         self.history.append(token)
         if self._seen is not None:

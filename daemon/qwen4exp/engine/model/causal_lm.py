@@ -15,6 +15,7 @@ from torch import nn
 from ..state import SequenceState, StateBatch
 from .config import ModelConfig
 from .decoder import DecodeRows, DecoderLayer, SegmentView, hyper_connection
+from . import row_products
 from .mtp import MTPHead
 from .rope import Rotary
 
@@ -106,10 +107,11 @@ class Qwen4ExpForCausalLM(nn.Module):
         positions = positions.clamp(0, states.capacity - 1)
         step = DecodeRows(token_ids, positions, active, rope[0], rope[1], states)
         streams = self.model.embed_tokens(token_ids).repeat(1, self.config.hc_count)
+        pending = None
         for layer in self.model.layers:
-            streams = layer.decode_rows(streams, step)
-        hidden, _ = self.model.hyper_connection_mixer.mix(streams)
-        return self.lm_head(hidden)
+            streams, pending = layer.decode_rows(streams, step, pending)
+        _, hidden, _ = self.model.hyper_connection_mixer.update_and_mix(streams, inject=pending, decode=True)
+        return row_products.linear(hidden, self.lm_head.weight)
 
     def _run(self, ids: torch.Tensor, views: list[SegmentView]) -> torch.Tensor:
         streams = self.model.embed_tokens(ids).repeat(1, self.config.hc_count)

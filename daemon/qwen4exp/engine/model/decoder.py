@@ -17,6 +17,9 @@ from .ple import PLELayer
 from .qsa import QSAAttention
 
 
+Injection = tuple[torch.Tensor, torch.Tensor]   # a sublayer's output [T, H] and its per-stream gates [T, hc]
+
+
 @dataclass
 class SegmentView:
     """One sequence's rows inside a packed forward."""
@@ -79,16 +82,22 @@ class DecoderLayer(nn.Module):
         streams, mixed, gates = self.mlp_hyper_connection.update_and_mix(streams, inject=(mixer_out, gates))
         return GatedResidual.inject(streams, self.mlp(mixed), gates)
 
-    def decode_rows(self, streams: torch.Tensor, step: DecodeRows) -> torch.Tensor:
-        """The same layer for one token per row; every row's numbers depend on that row alone."""
+    def decode_rows(self, streams: torch.Tensor, step: DecodeRows, pending: Injection | None = None
+                    ) -> tuple[torch.Tensor, Injection]:
+        """The same layer for one token per row; every row's numbers depend on that row alone. `pending` is the
+        layer before's MoE output and gates, not yet injected into the streams: this layer's first norm kernel
+        does it (one kernel, not two). Returns (streams, this layer's own pending injection)."""
         term = None
         if self.ple is not None:
+            if pending is not None:   # PLE reads the streams: inject first
+                streams, pending = GatedResidual.inject(streams, *pending), None
             term = self.ple.decode_rows(streams, step.token_ids, step.states.ple[self.index], step.active)
-        streams, mixed, gates = self.attn_hyper_connection.update_and_mix(streams, add=term)
+        streams, mixed, gates = self.attn_hyper_connection.update_and_mix(streams, add=term, inject=pending,
+                                                                          decode=True)
         state = step.states.layers[self.index]
         if hasattr(self, "self_attn"):
             out = self.self_attn.decode_rows(mixed, step.positions, step.cos, step.sin, state, step.active)
         else:
             out = self.linear_attn.decode_rows(mixed, state, step.active)
-        streams, mixed, gates = self.mlp_hyper_connection.update_and_mix(streams, inject=(out, gates))
-        return GatedResidual.inject(streams, self.mlp(mixed, fixed_rows=True, active=step.active), gates)
+        streams, mixed, gates = self.mlp_hyper_connection.update_and_mix(streams, inject=(out, gates), decode=True)
+        return streams, (self.mlp(mixed, fixed_rows=True, active=step.active), gates)

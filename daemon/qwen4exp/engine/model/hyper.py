@@ -33,15 +33,16 @@ class GatedResidual(SharedInputProjections):
         return self.update_and_mix(streams)[1:]
 
     def update_and_mix(self, streams: torch.Tensor, add: torch.Tensor | None = None,
-                       inject: tuple[torch.Tensor, torch.Tensor] | None = None
+                       inject: tuple[torch.Tensor, torch.Tensor] | None = None, decode: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`mix` after first adding `add` [T, hc*H] or injecting (output, gates) into the streams; returns
         (the new streams, sublayer input, gates). On GPUs the update, the norm and the mixing's element-wise
-        work run as two fused kernels around the two low-rank projections."""
+        work run as two fused kernels around the two low-rank projections. `decode`: the rows are a decode
+        step's (project_input's)."""
         if self._fused(streams):
             streams, normed = hyper_kernels.norm_rows(streams, self.hc_norm.weight, self.hc_norm.eps, self.hidden,
                                                       add, inject)
-            down, *gate_logits = self.project_input(normed)
+            down, *gate_logits = self.project_input(normed, decode)
             mixed, gates = hyper_kernels.mix_streams(down, self.input_mix_weight_up.weight, normed, self.hc_count,
                                                      gate_logits[0] if gate_logits else None)
             return streams, mixed, gates

@@ -10,7 +10,8 @@ they were most of its ~850 kernels. Two kernels replace them:
   too. With one group per row it is every other zero-centred RMSNorm of the model (q/k norms).
 * `mix_streams`: the low-rank mixing weights' up-projection on the tensor cores with the sigmoid, the
   weighting of the normed streams and their mean in its epilogue, so the [T, hc*H] weights never exist;
-  and the injection gates.
+  and the injection gates. For a decode step's few rows, each stream's term is a program of its own and a
+  small kernel takes the mean.
 
 Numerics follow torch's bf16 ops: sums and products in float32, rounded to the model dtype wherever torch
 would hand a bf16 tensor to the next op (the up-projection's output, the sigmoid, each weighted stream, the
@@ -32,12 +33,14 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 from .triton_round import interpreted
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-# Decode steps have a few rows: the whole rank in one block issues each stream's weight loads at once (a loop
-# of 64-wide steps left them in series). bench/hyper_kernels_bench.py on an H200, one row, in a CUDA graph:
-# 14.5 us; 16-wide features 27.2 us (18.5 us with 2 warps); 64-wide rank steps, pipelined, 26.7 us. Still only
-# ~0.45 TB/s of the up-projection's 6.5 MB: cuBLAS's matrix-vector product plus an epilogue kernel may do better.
+# Decode steps have a few rows, so few programs that they left most SMs idle: each (feature block, stream)
+# pair is a program of its own and a second kernel adds the streams' rounded terms in order (the same float32
+# sum). bench/hyper_kernels_bench.py on an H200, 4 rows, weights not in L2: 10.4 us; 32-wide features 12.5 us
+# (14.5 with 128-wide rank steps); one program per feature block for all streams (the former default) 16.7 us,
+# pipelined 64-wide rank steps 22.8 us.
 FEW_ROWS = 64
-MIX_FEW = {"BLOCK_T": 16, "BLOCK_H": 32, "BLOCK_K": 512, "NUM_STAGES": 1, "ACT_READY": False, "num_warps": 4}
+MIX_FEW = {"BLOCK_T": 16, "BLOCK_H": 64, "BLOCK_K": 64, "NUM_STAGES": 3, "ACT_READY": False, "SPLIT_STREAMS": True,
+           "num_warps": 4}
 # Many rows (bench/hyper_kernels_bench.py on an H200, 4096 rows): 195 us; 128-row tiles 206 us, unpipelined
 # 243 us, silu recomputed per stream 418 us, 128-wide features 533 us.
 MIX_MANY = {"BLOCK_T": 64, "BLOCK_H": 64, "BLOCK_K": 64, "NUM_STAGES": 3, "ACT_READY": True, "num_warps": 4}
@@ -77,13 +80,40 @@ if triton is not None:
         tl.store(normed_ptr + offset, round_to(x * scale * (1.0 + weight), dtype, INTERPRETED), mask=ok)
 
     @triton.jit
-    def _mix_kernel(low_ptr, up_ptr, normed_ptr, mixed_ptr, inject_ptr, gates_ptr, rows,
-                    H: tl.constexpr, HC: tl.constexpr, R: tl.constexpr, ACT_READY: tl.constexpr,
-                    HAS_GATES: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    def _stream_product(low_ptr, low_stride, up_ptr, normed_ptr, j, t64, t_ok, h, h_ok, ks, dtype: tl.constexpr,
+                        H: tl.constexpr, HC: tl.constexpr, R: tl.constexpr, ACT_READY: tl.constexpr,
+                        INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+        """Stream j's term of a [BLOCK_T, BLOCK_H] tile: sigmoid(act . up[j*H + h]) * normed[t, j*H + h], rounded
+        as torch rounds it (float32 values)."""
+        logits = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        for start in tl.range(0, R, BLOCK_K, num_stages=NUM_STAGES):
+            k_ok = ks < R - start
+            act = tl.load(low_ptr + t64[:, None] * low_stride + start + ks[None, :],
+                          mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            if not ACT_READY:
+                low = rounded(act.to(tl.float32) / HC, dtype, INTERPRETED)
+                act = round_to(low / (1.0 + tl.exp(-low)), dtype, INTERPRETED)
+            w = tl.load(up_ptr + (j * H + h[None, :]).to(tl.int64) * R + start + ks[:, None],
+                        mask=k_ok[:, None] & h_ok[None, :], other=0.0)
+            if INTERPRETED:
+                act, w = act.to(tl.float32), w.to(tl.float32)
+            logits = tl.dot(act, w, logits)
+        weight = rounded(tl.sigmoid(rounded(logits, dtype, INTERPRETED)), dtype, INTERPRETED)
+        normed = tl.load(normed_ptr + t64[:, None] * (HC * H) + j * H + h[None, :],
+                         mask=t_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        return rounded(weight * normed, dtype, INTERPRETED)
+
+    @triton.jit
+    def _mix_kernel(low_ptr, low_stride, up_ptr, normed_ptr, mixed_ptr, parts_ptr, inject_ptr, inject_stride,
+                    gates_ptr, rows, H: tl.constexpr, HC: tl.constexpr, R: tl.constexpr, ACT_READY: tl.constexpr,
+                    HAS_GATES: tl.constexpr, SPLIT_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
         """mixed[t, h] = mean_j sigmoid(act[t] . up[j*H + h]) * normed[t, j*H + h] for a [BLOCK_T, BLOCK_H]
         tile, act = silu(down / HC) (given as low with ACT_READY, else computed here from the down projection
-        in low); the first feature block also writes gates = 2 sigmoid(inject / HC)."""
+        in low). With SPLIT_STREAMS, program_id(2) is one stream j, whose rounded term goes to parts[j] for
+        _mean_streams_kernel to add (the same float32 sum in the same order). The first feature block also
+        writes gates = 2 sigmoid(inject / HC)."""
         block_t = tl.program_id(0)
         block_h = tl.program_id(1)
         dtype = mixed_ptr.dtype.element_ty
@@ -93,34 +123,39 @@ if triton is not None:
         h = block_h * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = h < H
         ks = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-        for j in tl.static_range(HC):
-            logits = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-            for start in tl.range(0, R, BLOCK_K, num_stages=NUM_STAGES):
-                k_ok = ks < R - start
-                act = tl.load(low_ptr + t64[:, None] * R + start + ks[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                              other=0.0)
-                if not ACT_READY:
-                    low = rounded(act.to(tl.float32) / HC, dtype, INTERPRETED)
-                    act = round_to(low / (1.0 + tl.exp(-low)), dtype, INTERPRETED)
-                w = tl.load(up_ptr + (j * H + h[None, :]).to(tl.int64) * R + start + ks[:, None],
-                            mask=k_ok[:, None] & h_ok[None, :], other=0.0)
-                if INTERPRETED:
-                    act, w = act.to(tl.float32), w.to(tl.float32)
-                logits = tl.dot(act, w, logits)
-            weight = rounded(tl.sigmoid(rounded(logits, dtype, INTERPRETED)), dtype, INTERPRETED)
-            normed = tl.load(normed_ptr + t64[:, None] * (HC * H) + j * H + h[None, :],
-                             mask=t_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
-            acc += rounded(weight * normed, dtype, INTERPRETED)
-        tl.store(mixed_ptr + t64[:, None] * H + h[None, :], round_to(acc / HC, dtype, INTERPRETED),
-                 mask=t_ok[:, None] & h_ok[None, :])
-        if HAS_GATES and block_h == 0:
+        ok = t_ok[:, None] & h_ok[None, :]
+        first = block_h == 0
+        if SPLIT_STREAMS:
+            j = tl.program_id(2)
+            first = first & (j == 0)
+            term = _stream_product(low_ptr, low_stride, up_ptr, normed_ptr, j, t64, t_ok, h, h_ok, ks, dtype, H, HC,
+                                   R, ACT_READY, INTERPRETED, BLOCK_T, BLOCK_H, BLOCK_K, NUM_STAGES)
+            tl.store(parts_ptr + (j * rows + t64[:, None]) * H + h[None, :], round_to(term, dtype, INTERPRETED),
+                     mask=ok)
+        else:
+            acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            for j in tl.static_range(HC):
+                acc += _stream_product(low_ptr, low_stride, up_ptr, normed_ptr, j, t64, t_ok, h, h_ok, ks, dtype, H,
+                                       HC, R, ACT_READY, INTERPRETED, BLOCK_T, BLOCK_H, BLOCK_K, NUM_STAGES)
+            tl.store(mixed_ptr + t64[:, None] * H + h[None, :], round_to(acc / HC, dtype, INTERPRETED), mask=ok)
+        if HAS_GATES and first:
             js = tl.arange(0, HC)
-            z = tl.load(inject_ptr + t64[:, None] * HC + js[None, :], mask=t_ok[:, None], other=0.0)
+            z = tl.load(inject_ptr + t64[:, None] * inject_stride + js[None, :], mask=t_ok[:, None], other=0.0)
             z = rounded(z.to(tl.float32) / HC, dtype, INTERPRETED)
             gates = 2.0 * rounded(tl.sigmoid(z), dtype, INTERPRETED)
             tl.store(gates_ptr + t64[:, None] * HC + js[None, :], round_to(gates, dtype, INTERPRETED),
                      mask=t_ok[:, None])
+
+    @triton.jit
+    def _mean_streams_kernel(parts_ptr, mixed_ptr, size, HC: tl.constexpr, INTERPRETED: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        """mixed = (sum over j of parts[j]) / HC, the sum in float32 in stream order, rounded once."""
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offsets < size
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(HC):
+            acc += tl.load(parts_ptr + j * size + offsets, mask=ok, other=0.0).to(tl.float32)
+        tl.store(mixed_ptr + offsets, round_to(acc / HC, mixed_ptr.dtype.element_ty, INTERPRETED), mask=ok)
 
 
 def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int, add: torch.Tensor | None = None,
@@ -162,14 +197,23 @@ def mix_streams(down: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tenso
     gates = torch.empty(rows, hc, device=normed.device, dtype=normed.dtype) if inject is not None else None
     config = dict(config or (MIX_FEW if rows <= FEW_ROWS else MIX_MANY))
     act_ready = config.pop("ACT_READY")
+    split = config.pop("SPLIT_STREAMS", False)
     config["BLOCK_K"] = min(config["BLOCK_K"], max(16, triton.next_power_of_2(low_rank)))
     config["BLOCK_H"] = min(config["BLOCK_H"], max(16, triton.next_power_of_2(hidden)))
     # Many rows: silu(down / hc) once, in torch's own ops, instead of once per stream in every program.
-    low = F.silu(down / hc).contiguous() if act_ready else down.contiguous()
+    low = F.silu(down / hc) if act_ready else down
+    low = low if low.stride(-1) == 1 else low.contiguous()
+    inject = inject if inject is None or inject.stride(-1) == 1 else inject.contiguous()
     if rows:
-        grid = (triton.cdiv(rows, config["BLOCK_T"]), triton.cdiv(hidden, config["BLOCK_H"]))
-        _mix_kernel[grid](low, up_weight, normed.contiguous(), mixed,
-                          inject.contiguous() if inject is not None else mixed, gates if gates is not None else mixed,
-                          rows, H=hidden, HC=hc, R=low_rank, ACT_READY=act_ready, HAS_GATES=inject is not None,
+        parts = torch.empty(hc, rows, hidden, device=normed.device, dtype=normed.dtype) if split else mixed
+        grid = (triton.cdiv(rows, config["BLOCK_T"]), triton.cdiv(hidden, config["BLOCK_H"]), hc if split else 1)
+        _mix_kernel[grid](low, low.stride(0), up_weight, normed.contiguous(), mixed, parts,
+                          inject if inject is not None else mixed, inject.stride(0) if inject is not None else 0,
+                          gates if gates is not None else mixed, rows, H=hidden, HC=hc, R=low_rank,
+                          ACT_READY=act_ready, HAS_GATES=inject is not None, SPLIT_STREAMS=split,
                           INTERPRETED=interpreted(normed), **config)
+        if split:
+            size = rows * hidden
+            _mean_streams_kernel[(triton.cdiv(size, 1024),)](parts, mixed, size, HC=hc,
+                                                             INTERPRETED=interpreted(normed), BLOCK=1024)
     return mixed, gates

@@ -64,13 +64,16 @@ class Experts(nn.Module):
                     and (x.requires_grad or self.gate_up_proj.requires_grad or self.down_proj.requires_grad))
 
     def forward_per_row(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                        active: torch.Tensor | None = None) -> torch.Tensor:
+                        active: torch.Tensor | None = None,
+                        shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Each row through its own k experts, summed in slot order: a row's result depends only on the row
         (for a fixed number of rows), not on other rows' routing. Rows with active False come out as zeros.
+        shared = (term, gate logit): + sigmoid(gate) * term (fused into the slot sum on GPUs).
         Fixed shapes and no host synchronisation (a decode step is captured in a CUDA graph)."""
         if self._fused(x):
-            return moe_kernels.moe_rows(x, ids, weights, self.gate_up_proj, self.down_proj, active)
-        return self.forward_per_row_torch(x, ids, weights, active)
+            return moe_kernels.moe_rows(x, ids, weights, self.gate_up_proj, self.down_proj, active, shared)
+        out = self.forward_per_row_torch(x, ids, weights, active)
+        return out if shared is None else out + torch.sigmoid(shared[1]) * shared[0]
 
     def forward_per_row_torch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                               active: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,11 +128,9 @@ class SparseMoeBlock(SharedInputProjections):
         """fixed_rows: a decode step over all slots (each row's result independent of the others'); active
         [T] bool marks the rows in use there, the others' routed output is zero (their shared-expert term
         is still computed)."""
-        router_logits, swiglu_gate, swiglu_up, shared_gate_logit = self.project_input(x)
+        router_logits, swiglu_gate, swiglu_up, shared_gate_logit = self.project_input(x, decode=fixed_rows)
         ids, weights = self.gate(x, router_logits)
         shared = self.shared_expert.from_projections(swiglu_gate, swiglu_up)
         if fixed_rows:
-            routed = self.experts.forward_per_row(x, ids, weights, active)
-        else:
-            routed = self.experts(x, ids, weights)
-        return routed + torch.sigmoid(shared_gate_logit) * shared
+            return self.experts.forward_per_row(x, ids, weights, active, (shared, shared_gate_logit))
+        return self.experts(x, ids, weights) + torch.sigmoid(shared_gate_logit) * shared

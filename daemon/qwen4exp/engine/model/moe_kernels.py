@@ -150,9 +150,11 @@ if triton is not None:
         tl.store(y_ptr + pair.to(tl.int64) * hidden + feat, y, mask=feat_ok)
 
     @triton.jit
-    def _combine_slots_kernel(y_ptr, active_ptr, out_ptr, hidden, top_k, INTERPRETED: tl.constexpr,
-                              HAS_ACTIVE: tl.constexpr, BLOCK: tl.constexpr):
-        """out[row] = y[row, 0] + ... + y[row, k-1] in float32, slot order, rounded once; idle rows get 0."""
+    def _combine_slots_kernel(y_ptr, active_ptr, shared_ptr, gate_ptr, gate_stride, out_ptr, hidden, top_k,
+                              INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_SHARED: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        """out[row] = y[row, 0] + ... + y[row, k-1] in float32, slot order, rounded once; idle rows get 0.
+        HAS_SHARED: then + sigmoid(gate[row]) * shared[row], each op rounded as torch's would be."""
         row = tl.program_id(0)
         feat = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         limit = hidden
@@ -164,8 +166,12 @@ if triton is not None:
         for _slot in range(top_k):
             acc += tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
             y_ptrs += hidden
-        tl.store(out_ptr + row.to(tl.int64) * hidden + feat, round_to(acc, out_ptr.dtype.element_ty, INTERPRETED),
-                 mask=feat < hidden)
+        dtype = out_ptr.dtype.element_ty
+        if HAS_SHARED:
+            scale = rounded(tl.sigmoid(tl.load(gate_ptr + row * gate_stride).to(tl.float32)), dtype, INTERPRETED)
+            shared = tl.load(shared_ptr + row.to(tl.int64) * hidden + feat, mask=feat < hidden, other=0.0)
+            acc = rounded(acc, dtype, INTERPRETED) + rounded(scale * shared.to(tl.float32), dtype, INTERPRETED)
+        tl.store(out_ptr + row.to(tl.int64) * hidden + feat, round_to(acc, dtype, INTERPRETED), mask=feat < hidden)
 
     @triton.jit
     def _grouped_gate_up_kernel(x_ptr, pair_of_row_ptr, expert_of_block_ptr, w_ptr, h_ptr,
@@ -246,19 +252,27 @@ if triton is not None:
 
 
 def _combine(y: torch.Tensor, flags: torch.Tensor | None, rows: int, hidden: int, top_k: int,
-             dtype: torch.dtype) -> torch.Tensor:
-    """[rows * k, H] slot outputs -> [rows, H]: the slot sum in float32, in slot order, rounded once."""
+             dtype: torch.dtype, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """[rows * k, H] slot outputs -> [rows, H]: the slot sum in float32, in slot order, rounded once; plus
+    sigmoid(gate) * term for shared = (term [rows, H], gate [rows, 1])."""
     out = torch.empty(rows, hidden, device=y.device, dtype=dtype)
+    term, gate = shared if shared is not None else (out, out)
+    if shared is not None and (term.shape != (rows, hidden) or gate.shape != (rows, 1)):
+        raise ValueError(f"the shared expert's term must be [{rows}, {hidden}] and its gate [{rows}, 1], got "
+                         f"{tuple(term.shape)} and {tuple(gate.shape)}")
     grid = (rows, triton.cdiv(hidden, COMBINE["BLOCK"]))
-    _combine_slots_kernel[grid](y, flags if flags is not None else y, out, hidden, top_k,
-                                INTERPRETED=interpreted(y), HAS_ACTIVE=flags is not None, **COMBINE)
+    _combine_slots_kernel[grid](y, flags if flags is not None else y, term.contiguous(), gate, gate.stride(0), out,
+                                hidden, top_k, INTERPRETED=interpreted(y), HAS_ACTIVE=flags is not None,
+                                HAS_SHARED=shared is not None, **COMBINE)
     return out
 
 
 def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-             down: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+             down: torch.Tensor, active: torch.Tensor | None = None,
+             shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode: x [T, H], ids/weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype.
-    Rows with active == False read no expert weights (nor x, ids or weights) and come out as zeros.
+    Rows with active == False read no expert weights (nor x, ids or weights) and come out as zeros. With
+    shared = (term [T, H], gate logit [T, 1]), sigmoid(gate) * term is added in the slot sum's kernel.
     Three launches (gate/up, down, slot sum) whose grids depend only on the shapes: CUDA-graph safe."""
     rows, hidden, inter, top_k = _check(x, ids, weights, gate_up, down)
     if rows == 0 or top_k == 0:
@@ -280,7 +294,7 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     grid = (pairs, triton.cdiv(hidden, ROWS_DOWN["BLOCK_N"]))
     _rows_down_kernel[grid](h, ids, weights, flag_arg, down, y, hidden, inter, top_k,
                             HAS_ACTIVE=flags is not None, **ROWS_DOWN)
-    return _combine(y, flags, rows, hidden, top_k, x.dtype)
+    return _combine(y, flags, rows, hidden, top_k, x.dtype, shared)
 
 
 def group_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

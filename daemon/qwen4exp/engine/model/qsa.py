@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..state import AttentionState
-from . import qsa_kernels
+from . import qsa_kernels, row_products
 from .config import ModelConfig
 from .norms import RMSNorm
 from .rope import apply_rotary
@@ -165,7 +165,8 @@ class Indexer(nn.Module):
         n, device = x.shape[0], x.device
         rows = torch.arange(n, device=device)
         within = torch.arange(self.ratio, device=device)
-        q, raw_keys = self.index_qk_proj(x).split([self.heads * self.dim, self.dim], dim=-1)
+        q, raw_keys = row_products.linear(x, self.index_qk_proj.weight).split([self.heads * self.dim, self.dim],
+                                                                              dim=-1)
         state.index_keys[rows, positions] = raw_keys     # idle rows write past their length: never read
         complete = (positions + 1) // self.ratio         # complete blocks this query sees
         block = (complete - 1).clamp_min(0)
@@ -267,9 +268,11 @@ class QSAAttention(nn.Module):
         cos, sin = cos_table[positions], sin_table[positions]
         q, gate = self.q_proj(x).view(n, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(n, self.kv_heads, self.head_dim)), cos, sin)
+        k = row_products.linear(x, self.k_proj.weight).view(n, self.kv_heads, self.head_dim)
+        k = apply_rotary(self.k_norm(k), cos, sin)
         state.keys[rows, :, positions] = k
-        state.values[rows, :, positions] = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        state.values[rows, :, positions] = row_products.linear(x, self.v_proj.weight).view(n, self.kv_heads,
+                                                                                          self.head_dim)
         if self.kernels_fit and qsa_kernels.usable(x):
             out = qsa_kernels.sparse_attention(q, state.keys, state.values, index, valid, self.head_dim ** -0.5,
                                                splits=qsa_kernels.DECODE_SPLITS)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import row_products
+
 
 class SharedInputProjections(nn.Module):
     """Base of a module whose `input_weights()` all multiply the same input. A subclass calls
@@ -40,12 +42,14 @@ class SharedInputProjections(nn.Module):
         self.stack_input_weights()
         return self
 
-    def project_input(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(x @ w.T for w in input_weights()), from one product."""
+    def project_input(self, x: torch.Tensor, decode: bool = False) -> tuple[torch.Tensor, ...]:
+        """(x @ w.T for w in input_weights()), from one product; `decode`: x is a decode step's rows, whose
+        product may take row_products.py's kernel."""
         weights = self.input_weights()
         stack = self.input_stack
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             # The stack is outside autograd's graph: multiply a copy of it made from the weights, so gradients
             # reach them (same values, same product).
             stack = torch.cat(weights)
-        return F.linear(x, stack).split([w.shape[0] for w in weights], dim=-1)
+        product = row_products.linear(x, stack) if decode else F.linear(x, stack)
+        return product.split([w.shape[0] for w in weights], dim=-1)

@@ -1,0 +1,140 @@
+"""Matrix products for the few rows of a decode step, at memory bandwidth, in Triton (CUDA and ROCm).
+
+A decode step multiplies one row per slot (4 on the bench) by every weight of the model: ~3.3 GB of weights
+for a few kFLOP each. cuBLAS picks GEMM tilings made for many rows there, and on an H200 its products of 4
+rows ran at ~1 TB/s for the mid-sized weights (profile_step), against ~4.5 TB/s the memory can read. Here
+each program streams a block of the weight's rows once and multiplies it with every input row on the tensor
+cores (the rows padded to the MMA's 16, which costs nothing a memory-bound kernel notices). Weights with few
+output rows and a long input (the hyper-connections' 324 x 10240) also split the input into parts, each
+summed by a program of its own, and a second kernel adds the parts in a fixed order.
+
+Numerics: float32 sums, rounded once to the output dtype, as F.linear does; only the order inside a sum
+differs. A row's result never reads another row's values and the blocks depend on the weight's shape alone,
+so a row's output does not depend on the other rows (alone == together holds for the decode step).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # Optional: CPU-only installs use F.linear.
+    import triton
+    import triton.language as tl
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    triton = tl = None
+
+from .triton_round import interpreted
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+MAX_ROWS = 16   # the MMA's row tile; more rows than that go to F.linear
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel serves x @ weight.T: GPU tensors of one 16-bit float dtype, at most MAX_ROWS rows,
+    outside autograd (no backward here), and a weight whose rows are contiguous."""
+    return (triton is not None and x.is_cuda and x.dtype in SUPPORTED_DTYPES and weight.dtype == x.dtype
+            and x.dim() == 2 and x.shape[0] <= MAX_ROWS and weight.dim() == 2 and weight.stride(1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def faster_than_cublas(n: int) -> bool:
+    """Where the kernel beat cuBLAS for 4 rows (bench/row_products_bench.py on an H200, weights not in L2):
+    weights of few rows (the MoE's 1793 x 2560 stack 7.6 us against 14.6, the hyper-connections' 324 x 10240
+    8.1 against 10.5, QSA's 512-640 x 2560) and the LM head (290 us against 311). cuBLAS kept the 2560-16480
+    row projections (12.7 us against 13.7 for 2560 x 6144)."""
+    return n <= 2048 or n >= 65536
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T for a decode step: the kernel where it applies and is the faster, else
+    F.linear. Which one runs depends on the shapes alone, so every step of an engine sums alike."""
+    if usable(x, weight) and faster_than_cublas(weight.shape[0]):
+        return row_products(x, weight)
+    return F.linear(x, weight)
+
+
+def plan(n: int, k: int) -> dict:
+    """Block shapes for an [n, k] weight (fixed per shape, so a restart or another row count sums alike).
+    Enough programs to keep every SM's loads in flight: at least ~2 per SM on an H200's 132, splitting the
+    input when the weight has too few rows for that."""
+    block_n = 32       # the fastest, or within 1%, on every shape linear() gives the kernel
+    programs = triton.cdiv(n, block_n)
+    split = 1
+    while programs * split < 264 and k // (split * 2) >= 1024:
+        split *= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": 256, "SPLIT_K": split, "num_warps": 4, "num_stages": 4}
+
+
+if triton is not None:
+    from .triton_round import round_to
+
+    @triton.jit
+    def _rows_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, w_stride, part_k,
+                     INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        """out[:, block] = x @ w[block].T over the input's part `program_id(1)` (all of it when SPLIT_K is 1;
+        else float32 partial sums go to parts[part])."""
+        block = tl.program_id(0)
+        part = tl.program_id(1)
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < rows
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols_ok = cols < n
+        ks = tl.arange(0, BLOCK_K)
+        begin = part * part_k
+        end = tl.minimum(begin + part_k, k)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(begin, end, BLOCK_K):
+            k_ok = start + ks < end
+            x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride + start + ks[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[None, :].to(tl.int64) * w_stride + start + ks[:, None],
+                        mask=k_ok[:, None] & cols_ok[None, :], other=0.0)
+            if INTERPRETED:
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, w, acc)
+        offsets = m[:, None].to(tl.int64) * n + cols[None, :]
+        ok = m_ok[:, None] & cols_ok[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptr + offsets, round_to(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+        else:
+            tl.store(parts_ptr + part * rows * n + offsets, acc, mask=ok)
+
+    @triton.jit
+    def _sum_parts_kernel(parts_ptr, out_ptr, size, INTERPRETED: tl.constexpr, SPLIT_K: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """out = sum of the SPLIT_K float32 parts, added in part order, rounded once."""
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offsets < size
+        total = tl.load(parts_ptr + offsets, mask=ok, other=0.0)
+        for part in tl.static_range(1, SPLIT_K):
+            total += tl.load(parts_ptr + part * size + offsets, mask=ok, other=0.0)
+        tl.store(out_ptr + offsets, round_to(total, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+
+
+def row_products(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T for M <= MAX_ROWS. `config` overrides `plan`'s block shapes (the bench
+    compares them)."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or rows > MAX_ROWS:
+        raise ValueError(f"row products need x [M <= {MAX_ROWS}, K] and weight [N, K]: got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    out = torch.empty(rows, n, device=x.device, dtype=x.dtype)
+    if rows == 0 or n == 0:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    config = dict(config or plan(n, k))
+    split = config.pop("SPLIT_K")
+    part_k = triton.cdiv(triton.cdiv(k, split), config["BLOCK_K"]) * config["BLOCK_K"]
+    split = triton.cdiv(k, part_k)
+    parts = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if split > 1 else out
+    grid = (triton.cdiv(n, config["BLOCK_N"]), split)
+    _rows_kernel[grid](x, weight, out, parts, rows, n, k, x.stride(0), weight.stride(0), part_k,
+                       INTERPRETED=interpreted(x), BLOCK_M=16, SPLIT_K=split, **config)
+    if split > 1:
+        size = rows * n
+        _sum_parts_kernel[(triton.cdiv(size, 1024),)](parts, out, size, INTERPRETED=interpreted(x),
+                                                      SPLIT_K=split, BLOCK=1024)
+    return out
