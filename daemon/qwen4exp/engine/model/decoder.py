@@ -16,7 +16,6 @@ from .moe import SparseMoeBlock
 from .ple import PLELayer
 from .qsa import QSAAttention
 
-
 Injection = tuple[torch.Tensor, torch.Tensor]   # a sublayer's output [T, H] and its per-stream gates [T, hc]
 
 
