@@ -105,7 +105,7 @@ class Qwen4ExpForCausalLM(nn.Module):
     def decode_rows_impl(self, token_ids, positions, active, states: StateBatch, rope) -> torch.Tensor:
         """decode_rows without its inference-mode wrapper (what torch.compile traces)."""
         positions = positions.clamp(0, states.capacity - 1)
-        step = DecodeRows(token_ids, positions, active, rope[0], rope[1], states)
+        step = DecodeRows(token_ids, positions, active, active.to(torch.uint8), rope[0], rope[1], states)
         streams = self.model.embed_tokens(token_ids).repeat(1, self.config.hc_count)
         pending = None
         for layer in self.model.layers:

@@ -38,7 +38,7 @@ def causal_conv_step(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     window = torch.cat((state, x[:, :, None]), dim=-1)
     taps = window[:, :, ::dilation]
     out = (taps.float() * weight[:, 0].float()).sum(-1).to(x.dtype)
-    state.copy_(torch.where(active[:, None, None], window[:, :, 1:], state))
+    state.copy_(torch.where(active.bool()[:, None, None], window[:, :, 1:], state))
     return F.silu(out)
 
 

@@ -36,6 +36,7 @@ class DecodeRows:
     token_ids: torch.Tensor   # [N]
     positions: torch.Tensor   # [N], where each row's token goes (its length)
     active: torch.Tensor      # [N] bool; inactive rows compute but keep their state
+    flags: torch.Tensor       # active as uint8, converted once per step for the kernels that read it
     cos: torch.Tensor         # rope tables over the whole capacity
     sin: torch.Tensor
     states: StateBatch
@@ -97,6 +98,6 @@ class DecoderLayer(nn.Module):
         if hasattr(self, "self_attn"):
             out = self.self_attn.decode_rows(mixed, step.positions, step.cos, step.sin, state, step.active)
         else:
-            out = self.linear_attn.decode_rows(mixed, state, step.active)
+            out = self.linear_attn.decode_rows(mixed, state, step.flags)
         streams, mixed, gates = self.mlp_hyper_connection.update_and_mix(streams, inject=(out, gates), decode=True)
-        return streams, (self.mlp(mixed, fixed_rows=True, active=step.active), gates)
+        return streams, (self.mlp(mixed, fixed_rows=True, active=step.flags), gates)

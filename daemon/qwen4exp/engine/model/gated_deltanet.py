@@ -53,7 +53,7 @@ class GatedDeltaNet(SharedInputProjections):
 
     def decode_rows(self, x: torch.Tensor, state: DeltaNetState, active: torch.Tensor) -> torch.Tensor:
         """One token for each of N sequences: x [N, H], state batched (conv [N, C, K-1], recurrent
-        [N, Hv, dk, dv]); only rows with `active` advance their state."""
+        [N, Hv, dk, dv]); only rows with `active` (bool or uint8) advance their state."""
         n = x.shape[0]
         qkv, z, b, a = self.project_input(x)
         mixed = causal_conv_step(state.conv, qkv, self.conv1d.weight, 1, active)

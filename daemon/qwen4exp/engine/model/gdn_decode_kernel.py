@@ -43,8 +43,9 @@ if triton is not None:
         block = tl.program_id(2)
         cols = block * BLOCK_V + tl.arange(0, BLOCK_V)
         dk = tl.arange(0, DK)
-        if tl.load(active_ptr + row) == 0:
-            return                                     # an idle row: its state stays, its output is unused
+        if tl.load(active_ptr + row) == 0:             # an idle row: its state stays, its output is zeros
+            tl.store(out_ptr + (row * V_HEADS + head) * DV + cols, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty))
+            return
         k_head = head // (V_HEADS // K_HEADS)
         q = tl.load(q_ptr + row * qkv_row_stride + k_head * DK + dk).to(tl.float32)
         k = tl.load(k_ptr + row * qkv_row_stride + k_head * DK + dk).to(tl.float32)
@@ -70,7 +71,7 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
                 a_log: torch.Tensor, dt_bias: torch.Tensor, active: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """q,k [N, Hk, dk], v [N, Hv, dv] (views of one [N, C] conv output row are fine), the raw gate projections
     a/b [N, Hv] (views of one projection's rows are fine too), the per-head A_log and dt_bias [Hv], active [N]
-    bool, state [N, Hv, dk, dv] float32
+    bool or uint8, state [N, Hv, dk, dv] float32
     (advanced in place for active rows). Returns o [N, Hv, dv] in v's dtype (zeros for idle rows)."""
     rows, k_heads, dk = q.shape
     v_heads, dv = v.shape[1], v.shape[2]
@@ -83,7 +84,7 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         raise ValueError("q, k and v must share one row stride, with heads contiguous inside a row")
     if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
         a, b = a.contiguous(), b.contiguous()
-    out = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    out = torch.empty_like(v, memory_format=torch.contiguous_format)
     _step_kernel[(rows, v_heads, dv // block_v)](
         q, k, v, row_stride, a, b, a.stride(0), a_log, dt_bias, active.to(torch.uint8), state, out,
         dk ** -0.5, K_HEADS=k_heads, V_HEADS=v_heads, DK=dk, DV=dv, INTERPRETED=interpreted(v), BLOCK_V=block_v,

@@ -127,7 +127,7 @@ def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.
 
 def gated_delta_rule_rows(q, k, v, a, b, a_log, dt_bias, active: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """One token for each of N sequences at once: q,k [N, Hk, dk], v [N, Hv, dv], the raw gate projections
-    a/b [N, Hv] (see `gates`), active [N] bool, state [N, Hv, dk, dv] float32, advanced in place for the
+    a/b [N, Hv] (see `gates`), active [N] bool or uint8, state [N, Hv, dk, dv] float32, advanced in place for the
     active rows only. Returns o [N, Hv, dv]. Fixed shapes and no host synchronisation, so a decode step can be
     captured in a CUDA graph. Half-precision models on a GPU use our Triton step (in place, idle rows
     skipped, gates computed inside); the rest this torch form."""
@@ -142,5 +142,5 @@ def gated_delta_rule_rows(q, k, v, a, b, a_log, dt_bias, active: torch.Tensor, s
     predicted = torch.einsum("nhk,nhkv->nhv", k, s)
     delta = (v.float() - predicted) * beta.float()[..., None]
     s = s + k[..., :, None] * delta[..., None, :]
-    state.copy_(torch.where(active[:, None, None, None], s, state))
+    state.copy_(torch.where(active.bool()[:, None, None, None], s, state))
     return torch.einsum("nhk,nhkv->nhv", q, s).to(v.dtype)

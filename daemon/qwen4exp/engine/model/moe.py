@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import moe_kernels
+from . import moe_kernels, router_kernel
 from .shared_input import SharedInputProjections
 
 
@@ -33,11 +33,15 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
         self.top_k, self.normalize = top_k, normalize
 
-    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None,
+                decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (expert ids [T, k], weights [T, k] in x's dtype). `logits`: x's product with the weight,
-        when the caller has it already (x is still passed, for the training forward's hooks)."""
+        when the caller has it already (x is still passed, for the training forward's hooks). `decode`: a
+        decode step's rows, routed by router_kernel.py's single kernel on GPUs."""
         if logits is None:
             logits = F.linear(x, self.weight)
+        if decode and router_kernel.usable(logits):
+            return router_kernel.route_rows(logits, self.top_k, self.normalize)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
@@ -126,10 +130,10 @@ class SparseMoeBlock(SharedInputProjections):
 
     def forward(self, x: torch.Tensor, fixed_rows: bool = False, active: torch.Tensor | None = None) -> torch.Tensor:
         """fixed_rows: a decode step over all slots (each row's result independent of the others'); active
-        [T] bool marks the rows in use there, the others' routed output is zero (their shared-expert term
+        [T] (bool or uint8) marks the rows in use there, the others' routed output is zero (their shared-expert term
         is still computed)."""
         router_logits, swiglu_gate, swiglu_up, shared_gate_logit = self.project_input(x, decode=fixed_rows)
-        ids, weights = self.gate(x, router_logits)
+        ids, weights = self.gate(x, router_logits, decode=fixed_rows)
         shared = self.shared_expert.from_projections(swiglu_gate, swiglu_up)
         if fixed_rows:
             return self.experts.forward_per_row(x, ids, weights, active, (shared, shared_gate_logit))

@@ -283,7 +283,8 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     if active is not None:
         if active.shape != (rows,):
             raise ValueError(f"active must be [{rows}], got {tuple(active.shape)}")
-        flags = (active != 0).to(torch.uint8)   # a new tensor, not a view: torch.compile cannot view bool
+        # uint8 as given (the decode step converts once), else a new tensor: torch.compile cannot view bool
+        flags = active if active.dtype == torch.uint8 else (active != 0).to(torch.uint8)
     pairs = rows * top_k
     h = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
     y = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
