@@ -6,6 +6,7 @@ child process: TRITON_INTERPRET must be set before Triton is imported."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import pytest
 from triton_interpreter import interpreted_results
@@ -13,11 +14,10 @@ from triton_interpreter import interpreted_results
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
 
-REFERENCE = r"""
-import torch
 
 def stable_route(logits, k, normalize):
-    # torch's router with ties in stable order: highest probability first, then the lower expert id
+    """torch's router with ties in stable order: highest probability first, then the lower expert id."""
+    import torch
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     order = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = probs.gather(-1, order)
@@ -25,12 +25,14 @@ def stable_route(logits, k, normalize):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return order, weights.to(logits.dtype)
 
-def steps_apart(a, b):
+
+def steps_apart(a, b) -> float:
+    """The largest difference of a from b in bf16 steps at b's size."""
     step = b.float().abs() * 2.0 ** -7 + 1e-30
     return ((a.float() - b.float()).abs() / step).max().item()
-"""
 
-CHILD = REFERENCE + r"""
+
+CHILD = "import torch\n" + inspect.getsource(stable_route) + inspect.getsource(steps_apart) + r"""
 import json
 from qwen4exp.engine.model import router_kernel
 
@@ -82,14 +84,12 @@ def test_router_kernel_at_shipped_sizes_on_gpu():
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA/ROCm device")
-    scope = {}
-    exec(REFERENCE, scope)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for rows in (4, 4096):
         logits = (torch.randn(rows, 512, generator=gen, device="cuda") * 2).bfloat16()
         with torch.inference_mode():
             assert router_kernel.usable(logits)
             ids, weights = router_kernel.route_rows(logits, 10, True)
-        want_ids, want_weights = scope["stable_route"](logits, 10, True)
+        want_ids, want_weights = stable_route(logits, 10, True)
         assert torch.equal(ids, want_ids)
-        assert scope["steps_apart"](weights, want_weights) <= 1.0
+        assert steps_apart(weights, want_weights) <= 1.0
