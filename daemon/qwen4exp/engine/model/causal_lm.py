@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from ..state import SequenceState, StateBatch
+from . import row_products
 from .config import ModelConfig
 from .decoder import DecodeRows, DecoderLayer, SegmentView, hyper_connection
-from . import row_products
 from .mtp import MTPHead
 from .rope import Rotary
 
