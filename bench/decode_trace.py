@@ -17,12 +17,10 @@ import json
 import time
 
 import torch
-from profile_step import submit_busy
+from profile_step import bench_model, submit_busy
 from torch.profiler import ProfilerActivity, profile
 
-from qwen4exp.checkpoint.random_weights import random_model
 from qwen4exp.engine.engine import Engine
-from qwen4exp.engine.loading import load_model
 
 
 def trace(engine: Engine, busy: int, steps: int, limit: int) -> dict:
@@ -63,10 +61,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="profiled steps")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    if args.checkpoint:
-        model = load_model(args.checkpoint, dtype="bfloat16", device="cuda", progress=False)
-    else:
-        model = random_model("bench", args.layers, torch.bfloat16, "cuda")
+    model = bench_model(args.checkpoint, args.layers)
     engine = Engine(model, slots=args.slots, context=args.context, chunk=4096)
     report = {}
     for busy in sorted({1, args.slots}):

@@ -14,6 +14,8 @@ import json
 
 import torch
 
+from graph_timing import graph_us
+
 from qwen4exp.engine.model import hyper_kernels
 from qwen4exp.engine.model.hyper import GatedResidual
 
@@ -36,30 +38,6 @@ CANDIDATES = {
 }
 
 
-def time_us(fn, reps: int = 20) -> float:
-    """GPU time per call: `reps` calls replayed from one CUDA graph, so host overhead (which dominates a
-    decode step's few-row calls when run eagerly) does not count, as it does not in the engine's graph.
-    `fn(i)` is the i-th call (callers cycle weight copies with it)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(0)                                  # compile and tune outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (5 * reps) * 1000
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -76,7 +54,7 @@ def main() -> None:
         out = torch.randn(rows, hidden, generator=gen, device="cuda").bfloat16()
         gates = (2 * torch.rand(rows, hc, generator=gen, device="cuda")).bfloat16()
         with torch.inference_mode():
-            fused = time_us(lambda _: res.update_and_mix(streams, inject=(out, gates)))
+            fused = graph_us(lambda _: res.update_and_mix(streams, inject=(out, gates)))
             _, normed = hyper_kernels.norm_rows(streams, res.hc_norm.weight, res.hc_norm.eps, hidden)
             down = res.input_mix_weight_down(normed)
             logits = res.block_inject_weight(normed)
@@ -86,13 +64,13 @@ def main() -> None:
             configs = {}
             for config in CANDIDATES["few" if rows <= hyper_kernels.FEW_ROWS else "many"]:
                 try:
-                    us = time_us(lambda i, c=config: hyper_kernels.mix_streams(down, ups[i % len(ups)], normed, hc,
-                                                                             logits, c), reps=len(ups))
+                    us = graph_us(lambda i, c=config: hyper_kernels.mix_streams(down, ups[i % len(ups)], normed, hc,
+                                                                              logits, c), calls=len(ups))
                 except Exception as err:  # noqa: BLE001 - a shape the compiler rejects is a result too
                     us = f"failed: {type(err).__name__}: {str(err)[:200]}"
                 configs[json.dumps(config, sort_keys=True)] = us
         with torch.enable_grad():   # the kernels step aside under autograd: the torch form
-            eager = time_us(lambda _: res.update_and_mix(streams, inject=(out, gates)), reps=5)
+            eager = graph_us(lambda _: res.update_and_mix(streams, inject=(out, gates)), calls=5)
         flops = 2 * rows * rank * hc * hidden
         report["rows"][rows] = {"update_and_mix_fused_us": round(fused, 2), "update_and_mix_torch_us": round(eager, 2),
                                 "up_projection_gflop": flops / 1e9, "mix_streams_us_by_config": configs}

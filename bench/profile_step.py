@@ -26,6 +26,14 @@ from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.request import Request
 
 
+def bench_model(checkpoint: str | None, layers: int):
+    """The checkpoint's model in bfloat16 on the GPU, else the bench preset's `layers` layers with random weights
+    built there."""
+    if checkpoint:
+        return load_model(checkpoint, dtype="bfloat16", device="cuda", progress=False)
+    return random_model("bench", layers, torch.bfloat16, "cuda")
+
+
 def submit_busy(engine: Engine, busy: int, prompt: int, tokens: int, limit: int, seed: int) -> list[Request]:
     g = torch.Generator().manual_seed(seed)
     requests = [engine.submit(Request(prompt_ids=torch.randint(0, limit, (prompt,), generator=g).tolist(),
@@ -88,10 +96,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    if args.checkpoint:
-        model = load_model(args.checkpoint, dtype="bfloat16", device="cuda", progress=False)
-    else:
-        model = random_model("bench", args.layers, torch.bfloat16, "cuda")
+    model = bench_model(args.checkpoint, args.layers)
     limit = model.config.eos_token_id
     context = max(args.prompt, args.long) + 4 * args.steps + 64
     report, timings = [], {}

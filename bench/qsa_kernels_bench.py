@@ -17,7 +17,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from hyper_kernels_bench import time_us
+from graph_timing import graph_us
 from qwen4exp.engine.model import qsa_kernels
 from qwen4exp.engine.model.qsa import token_lists
 
@@ -103,10 +103,10 @@ def decode(rows: int, capacity: int, length: int, gen: torch.Generator) -> dict:
         return ranked.topk(TOPK, dim=-1, sorted=False).indices.sort(dim=-1).values
 
     index, valid = token_lists(rank(), complete, positions, RATIO, capacity)
-    result = {"rank kernel + topk us": round(time_us(rank), 1)}
+    result = {"rank kernel + topk us": round(graph_us(lambda _: rank()), 1)}
     for splits in (1, 4, 8, 16):
-        result[f"attention {splits} splits us"] = round(time_us(
-            lambda s=splits: qsa_kernels.sparse_attention(q, keys, values, index, valid, DIM ** -0.5, splits=s)), 1)
+        result[f"attention {splits} splits us"] = round(graph_us(
+            lambda _, s=splits: qsa_kernels.sparse_attention(q, keys, values, index, valid, DIM ** -0.5, splits=s)), 1)
     return result
 
 

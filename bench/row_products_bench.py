@@ -17,33 +17,13 @@ import json
 import torch
 import torch.nn.functional as F
 
+from graph_timing import graph_us
+
 from qwen4exp.engine.model import row_products
 
 SHAPES = [(248320, 2560), (16480, 2560), (12288, 2560), (2560, 6144), (2560, 2560), (1793, 2560), (1024, 2560),
           (324, 10240), (10240, 320), (2560, 640)]
 L2_BYTES = 256 << 20   # well above an H200's 50 MB L2
-
-
-def time_us(fn, copies: int, reps: int = 3) -> float:
-    """GPU time per call, `fn(i)` for i over the copies, replayed from one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(0)                                  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (reps * copies) * 1000
 
 
 def candidates(n: int, k: int) -> dict[str, dict]:
@@ -73,12 +53,13 @@ def main() -> None:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             want = F.linear(x, weights[0]).float()
             entry = {"shape": [n, k], "rows": rows, "MB": round(nbytes / 1e6, 1)}
-            us = time_us(lambda i: F.linear(x, weights[i]), copies)
+            us = graph_us(lambda i: F.linear(x, weights[i]), calls=copies, replays=3)
             entry["cublas"] = {"us": round(us, 2), "TB/s": round(nbytes / us / 1e6, 2)}
             for name, config in candidates(n, k).items():
                 try:
                     got = row_products.row_products(x, weights[0], config).float()
-                    us = time_us(lambda i, c=config: row_products.row_products(x, weights[i], c), copies)
+                    us = graph_us(lambda i, c=config: row_products.row_products(x, weights[i], c), calls=copies,
+                                  replays=3)
                     entry[name] = {"us": round(us, 2), "TB/s": round(nbytes / us / 1e6, 2), "config": config,
                                    "max_diff_vs_cublas": (got - want).abs().max().item()}
                 except Exception as err:  # noqa: BLE001 - report the shape that failed, keep the others
