@@ -19,17 +19,18 @@ from graph_timing import graph_us
 from qwen4exp.engine.model import hyper_kernels
 from qwen4exp.engine.model.hyper import GatedResidual
 
+FEW = hyper_kernels.MIX_FEW
 CANDIDATES = {
-    "few": [hyper_kernels.MIX_FEW,
-            {**hyper_kernels.MIX_FEW, "BLOCK_K": 64, "NUM_STAGES": 3},
-            {**hyper_kernels.MIX_FEW, "BLOCK_K": 128, "NUM_STAGES": 3},
-            {**hyper_kernels.MIX_FEW, "SPLIT_STREAMS": True},
-            {**hyper_kernels.MIX_FEW, "SPLIT_STREAMS": True, "BLOCK_H": 16},
-            {**hyper_kernels.MIX_FEW, "SPLIT_STREAMS": True, "BLOCK_K": 64, "NUM_STAGES": 3},
-            {**hyper_kernels.MIX_FEW, "SPLIT_STREAMS": True, "BLOCK_K": 128, "NUM_STAGES": 3},
-            {**hyper_kernels.MIX_FEW, "SPLIT_STREAMS": True, "BLOCK_H": 64, "BLOCK_K": 64, "NUM_STAGES": 3},
-            {**hyper_kernels.MIX_FEW, "SPLIT_STREAMS": True, "BLOCK_K": 64, "NUM_STAGES": 3, "num_warps": 2},
-            {**hyper_kernels.MIX_FEW, "SPLIT_STREAMS": True, "BLOCK_H": 16, "BLOCK_K": 64, "NUM_STAGES": 3}],
+    "few": [FEW,
+            {**FEW, "SPLIT_STREAMS": False, "BLOCK_H": 32, "BLOCK_K": 512, "NUM_STAGES": 1},   # the former default
+            {**FEW, "SPLIT_STREAMS": False, "BLOCK_H": 32},
+            {**FEW, "SPLIT_STREAMS": False, "BLOCK_H": 32, "BLOCK_K": 128},
+            {**FEW, "BLOCK_H": 32, "BLOCK_K": 512, "NUM_STAGES": 1},
+            {**FEW, "BLOCK_H": 16, "BLOCK_K": 512, "NUM_STAGES": 1},
+            {**FEW, "BLOCK_H": 32},
+            {**FEW, "BLOCK_H": 32, "BLOCK_K": 128},
+            {**FEW, "BLOCK_H": 32, "num_warps": 2},
+            {**FEW, "BLOCK_H": 16}],
     "many": [hyper_kernels.MIX_MANY,
              {**hyper_kernels.MIX_MANY, "BLOCK_T": 128, "num_warps": 8},
              {**hyper_kernels.MIX_MANY, "BLOCK_H": 128},

@@ -128,21 +128,38 @@ def test_queue_bound(model):
         engine.submit(Request(prompt_ids=[1], max_tokens=1))
 
 
-def test_an_engine_error_fails_that_request_only(model, monkeypatch):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_an_engine_error_fails_that_request_only(model, monkeypatch, sampled):
     spec = _spec(random.Random(9))
     engine = _engine(model)
-    doomed = engine.submit(Request(prompt_ids=[9] * 20, max_tokens=8))
+    sampling = SamplingParams(temperature=0.9, seed=3) if sampled else SamplingParams()
+    doomed = engine.submit(Request(prompt_ids=[9] * 20, max_tokens=8, sampling=sampling))
     healthy = engine.submit(Request(**spec))
     engine.step()
     slot = next(s for s in engine.pool.slots if s.request is doomed)
 
     def broken(*_):
         raise RuntimeError("sampler exploded")
-    assert slot.sampler.takes_argmax          # greedy: the engine hands the sampler the batch's argmax
-    monkeypatch.setattr(slot.sampler, "take", broken)
+    # A greedy sampler takes the batch's argmax; a sampled one draws from its own row of logits.
+    assert slot.sampler.takes_argmax is not sampled
+    monkeypatch.setattr(slot.sampler, "_sample" if sampled else "take", broken)
     engine.run_until_idle()
     assert doomed.finish_reason is FinishReason.ERROR and "sampler exploded" in doomed.error
     assert healthy.output_ids == _alone(model, spec)
+
+
+def test_penalised_greedy_rows_choose_from_their_own_logits(model):
+    """Beside plain greedy rows (which share one argmax), a greedy request with a repetition penalty picks from
+    its penalised logits: at the largest penalty it repeats no token, its prompt's included."""
+    plain_spec = {"prompt_ids": [11] * 30, "max_tokens": 24}
+    engine = _engine(model)
+    plain = engine.submit(Request(**plain_spec))
+    penalised = engine.submit(Request(prompt_ids=[11] * 30, max_tokens=24,
+                                      sampling=SamplingParams(repetition_penalty=100.0)))
+    engine.run_until_idle()
+    assert plain.output_ids == _alone(model, plain_spec)
+    assert len(set(penalised.output_ids)) == 24 and 11 not in penalised.output_ids
+    assert len(set(plain.output_ids)) < 24, "the plain request repeats itself, so the penalty has work to do"
 
 
 def test_stop_token_and_streaming(model):

@@ -115,6 +115,12 @@ def check_rows_shared_term_matches_torch():
     got = moe_rows(x, ids, weights, gate_up, down, active, shared=(term, wide[:, 1:2]))
     want = moe_rows(x, ids, weights, gate_up, down, active) + torch.sigmoid(wide[:, 1:2]) * term
     assert torch.equal(got, want)
+    # Flags are 0 or not: a flag of 2 is an active row, not a longer one.
+    flags = torch.tensor([2, 0, 1, 1], dtype=torch.uint8)
+    assert torch.equal(moe_rows(x, ids, weights, gate_up, down, flags, shared=(term, wide[:, 1:2])), got)
+    # No routed experts: the shared term alone, as the torch path gives.
+    none = moe_rows(x, ids[:, :0], weights[:, :0], gate_up, down, active, shared=(term, wide[:, 1:2]))
+    assert torch.equal(none, torch.sigmoid(wide[:, 1:2]) * term)
 
 
 def check_grouped_match_reference():

@@ -25,11 +25,13 @@ for shape, rotary in (((3, 4, 16), 8), ((5, 32), 32), ((2, 3, 24), 16)):
         got = rope_kernel.rotate(x, cos, sin)
         want = rope.apply_rotary(x, cos, sin)        # CPU tensors: the torch form
         results[f"{shape}/{rotary}/{dtype}"] = bool(torch.equal(got, want))
-try:
-    rope_kernel.rotate(torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(3, 8))
-    results["bad"] = "accepted"
-except ValueError as err:
-    results["bad"] = str(err)
+for name, x, table in (("bad", torch.zeros(2, 8), torch.zeros(3, 8)),
+                       ("4-d", torch.zeros(2, 2, 2, 8), torch.zeros(2, 8))):
+    try:
+        rope_kernel.rotate(x, table, table)
+        results[name] = "accepted"
+    except ValueError as err:
+        results[name] = str(err)
 print(json.dumps(results))
 """
 
@@ -40,9 +42,10 @@ def results():
 
 
 def test_kernel_equals_the_torch_form(results):
-    cases = {k: v for k, v in results.items() if k != "bad"}
+    cases = {k: v for k, v in results.items() if k not in ("bad", "4-d")}
     assert len(cases) == 6 and all(cases.values()), cases
     assert "do not fit x (2, 8)" in results["bad"]
+    assert "do not fit x (2, 2, 2, 8)" in results["4-d"]
 
 
 @pytest.mark.gpu

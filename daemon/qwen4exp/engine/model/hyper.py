@@ -37,8 +37,8 @@ class GatedResidual(SharedInputProjections):
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`mix` after first adding `add` [T, hc*H] or injecting (output, gates) into the streams; returns
         (the new streams, sublayer input, gates). On GPUs the update, the norm and the mixing's element-wise
-        work run as two fused kernels around the two low-rank projections. `decode`: the rows are a decode
-        step's (project_input's)."""
+        work run as fused kernels (norm_rows, mix_streams) around the two low-rank projections. `decode`: the
+        rows are a decode step's (project_input's)."""
         if self._fused(streams):
             streams, normed = hyper_kernels.norm_rows(streams, self.hc_norm.weight, self.hc_norm.eps, self.hidden,
                                                       add, inject)

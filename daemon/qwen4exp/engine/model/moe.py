@@ -71,8 +71,8 @@ class Experts(nn.Module):
                         active: torch.Tensor | None = None,
                         shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Each row through its own k experts, summed in slot order: a row's result depends only on the row
-        (for a fixed number of rows), not on other rows' routing. Rows with active False come out as zeros.
-        shared = (term, gate logit): + sigmoid(gate) * term (fused into the slot sum on GPUs).
+        (for a fixed number of rows), not on other rows' routing. Rows with active False get no routed part
+        (zeros). shared = (term, gate logit): + sigmoid(gate) * term for every row (fused into the slot sum on GPUs).
         Fixed shapes and no host synchronisation (a decode step is captured in a CUDA graph)."""
         if self._fused(x):
             return moe_kernels.moe_rows(x, ids, weights, self.gate_up_proj, self.down_proj, active, shared)

@@ -153,13 +153,13 @@ if triton is not None:
     def _combine_slots_kernel(y_ptr, active_ptr, shared_ptr, gate_ptr, gate_stride, out_ptr, hidden, top_k,
                               INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr, HAS_SHARED: tl.constexpr,
                               BLOCK: tl.constexpr):
-        """out[row] = y[row, 0] + ... + y[row, k-1] in float32, slot order, rounded once; idle rows get 0.
-        HAS_SHARED: then + sigmoid(gate[row]) * shared[row], each op rounded as torch's would be."""
+        """out[row] = y[row, 0] + ... + y[row, k-1] in float32, slot order, rounded once; idle rows' sum is 0.
+        HAS_SHARED: then + sigmoid(gate[row]) * shared[row] (idle rows too), each op rounded as torch's would be."""
         row = tl.program_id(0)
         feat = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         limit = hidden
         if HAS_ACTIVE:  # an idle row reads nothing (its y was never written) and stores zeros
-            limit = tl.load(active_ptr + row).to(tl.int32) * hidden
+            limit = (tl.load(active_ptr + row) != 0).to(tl.int32) * hidden
         ok = feat < limit
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         y_ptrs = y_ptr + row.to(tl.int64) * top_k * hidden + feat
@@ -271,12 +271,13 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
              down: torch.Tensor, active: torch.Tensor | None = None,
              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Decode: x [T, H], ids/weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype.
-    Rows with active == False read no expert weights (nor x, ids or weights) and come out as zeros. With
-    shared = (term [T, H], gate logit [T, 1]), sigmoid(gate) * term is added in the slot sum's kernel.
+    Rows with active == False read no expert weights (nor x, ids or weights): their routed part is zero. With
+    shared = (term [T, H], gate logit [T, 1]), sigmoid(gate) * term is added (to every row) in the slot sum's
+    kernel.
     Three launches (gate/up, down, slot sum) whose grids depend only on the shapes: CUDA-graph safe."""
     rows, hidden, inter, top_k = _check(x, ids, weights, gate_up, down)
     if rows == 0 or top_k == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if shared is None else torch.sigmoid(shared[1]) * shared[0]
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     gate_up, down = gate_up.contiguous(), down.contiguous()
     flags = None

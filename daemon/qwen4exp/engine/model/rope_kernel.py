@@ -58,7 +58,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     n, d = x.shape[0], x.shape[-1]
     heads = x.shape[1] if x.dim() == 3 else 1
     rotary = cos.shape[-1]
-    if cos.shape != (n, rotary) or sin.shape != cos.shape or rotary > d or rotary % 2:
+    if x.dim() not in (2, 3) or cos.shape != (n, rotary) or sin.shape != cos.shape or rotary > d or rotary % 2:
         raise ValueError(f"rotary tables {tuple(cos.shape)}/{tuple(sin.shape)} do not fit x {tuple(x.shape)}")
     x = x.contiguous()
     out = torch.empty_like(x)

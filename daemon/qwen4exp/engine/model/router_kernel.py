@@ -7,8 +7,9 @@ probabilities one at a time (ties to the lower expert id, as a stable sort would
 
 Numerics: float32 throughout as in torch's router (softmax in float32, weights divided by their float32 sum,
 rounded once to the model dtype); the exponential and the order inside the sums are the kernel's own, so a
-weight can differ from the torch form's in its last bit. The prefill path keeps torch's router; every decode
-step takes this one, so decode results do not depend on the batch, the graph or the snapshot they came from.
+weight can differ from the torch form's in its last bit. The prefill path keeps torch's router, as do float32
+models; every bf16/fp16 decode step on a GPU takes this one, so decode results do not depend on the batch, the
+graph or the snapshot they came from.
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 from .triton_round import interpreted
 
 MAX_EXPERTS = 4096   # one row's logits live in registers
+# float32 models keep torch's router: they are the reference setup, and the kernel's exponential is not torch's
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def usable(logits: torch.Tensor) -> bool:
-    """Whether the kernel serves these router logits [T, E]: a GPU tensor outside autograd, E within reach."""
-    return (triton is not None and logits.is_cuda and logits.dim() == 2 and logits.shape[-1] <= MAX_EXPERTS
-            and not (torch.is_grad_enabled() and logits.requires_grad))
+    """Whether the kernel serves these router logits [T, E]: a GPU tensor in bf16/fp16 outside autograd, E within
+    reach."""
+    return (triton is not None and logits.is_cuda and logits.dtype in SUPPORTED_DTYPES and logits.dim() == 2
+            and logits.shape[-1] <= MAX_EXPERTS and not (torch.is_grad_enabled() and logits.requires_grad))
 
 
 if triton is not None:
