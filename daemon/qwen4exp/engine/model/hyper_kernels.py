@@ -30,7 +30,7 @@ try:  # Optional: CPU-only installs use the torch forms in norms.py and hyper.py
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     triton = tl = None
 
-from .triton_round import interpreted
+from .triton_round import add_parts, interpreted
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 # Decode steps have a few rows, so few programs that they left most SMs idle: each (feature block, stream)
@@ -112,7 +112,7 @@ if triton is not None:
         """mixed[t, h] = mean_j sigmoid(act[t] . up[j*H + h]) * normed[t, j*H + h] for a [BLOCK_T, BLOCK_H]
         tile, act = silu(down / HC) (given as low with ACT_READY, else computed here from the down projection
         in low). With SPLIT_STREAMS, program_id(2) is one stream j, whose rounded term goes to parts[j] for
-        _mean_streams_kernel to add (the same float32 sum in the same order). The first feature block also
+        triton_round.add_parts to add (the same float32 sum in the same order). The first feature block also
         writes gates = 2 sigmoid(inject / HC)."""
         block_t = tl.program_id(0)
         block_h = tl.program_id(1)
@@ -145,17 +145,6 @@ if triton is not None:
             gates = 2.0 * rounded(tl.sigmoid(z), dtype, INTERPRETED)
             tl.store(gates_ptr + t64[:, None] * HC + js[None, :], round_to(gates, dtype, INTERPRETED),
                      mask=t_ok[:, None])
-
-    @triton.jit
-    def _mean_streams_kernel(parts_ptr, mixed_ptr, size, HC: tl.constexpr, INTERPRETED: tl.constexpr,
-                             BLOCK: tl.constexpr):
-        """mixed = (sum over j of parts[j]) / HC, the sum in float32 in stream order, rounded once."""
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offsets < size
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(HC):
-            acc += tl.load(parts_ptr + j * size + offsets, mask=ok, other=0.0).to(tl.float32)
-        tl.store(mixed_ptr + offsets, round_to(acc / HC, mixed_ptr.dtype.element_ty, INTERPRETED), mask=ok)
 
 
 def norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int, add: torch.Tensor | None = None,
@@ -213,7 +202,5 @@ def mix_streams(down: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tenso
                           ACT_READY=act_ready, HAS_GATES=inject is not None, SPLIT_STREAMS=split,
                           INTERPRETED=interpreted(normed), **config)
         if split:
-            size = rows * hidden
-            _mean_streams_kernel[(triton.cdiv(size, 1024),)](parts, mixed, size, HC=hc,
-                                                             INTERPRETED=interpreted(normed), BLOCK=1024)
+            add_parts(parts, mixed, divisor=hc)
     return mixed, gates

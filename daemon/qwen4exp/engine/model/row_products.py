@@ -24,7 +24,7 @@ try:  # Optional: CPU-only installs use F.linear.
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     triton = tl = None
 
-from .triton_round import interpreted
+from .triton_round import add_parts, interpreted
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_ROWS = 16   # the MMA's row tile; more rows than that go to F.linear
@@ -101,17 +101,6 @@ if triton is not None:
         else:
             tl.store(parts_ptr + part * rows * n + offsets, acc, mask=ok)
 
-    @triton.jit
-    def _sum_parts_kernel(parts_ptr, out_ptr, size, INTERPRETED: tl.constexpr, SPLIT_K: tl.constexpr,
-                          BLOCK: tl.constexpr):
-        """out = sum of the SPLIT_K float32 parts, added in part order, rounded once."""
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offsets < size
-        total = tl.load(parts_ptr + offsets, mask=ok, other=0.0)
-        for part in tl.static_range(1, SPLIT_K):
-            total += tl.load(parts_ptr + part * size + offsets, mask=ok, other=0.0)
-        tl.store(out_ptr + offsets, round_to(total, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
-
 
 def row_products(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T for M <= MAX_ROWS. `config` overrides `plan`'s block shapes (the bench
@@ -134,7 +123,5 @@ def row_products(x: torch.Tensor, weight: torch.Tensor, config: dict | None = No
     _rows_kernel[grid](x, weight, out, parts, rows, n, k, x.stride(0), weight.stride(0), part_k,
                        INTERPRETED=interpreted(x), BLOCK_M=16, SPLIT_K=split, **config)
     if split > 1:
-        size = rows * n
-        _sum_parts_kernel[(triton.cdiv(size, 1024),)](parts, out, size, INTERPRETED=interpreted(x),
-                                                      SPLIT_K=split, BLOCK=1024)
+        add_parts(parts, out)
     return out

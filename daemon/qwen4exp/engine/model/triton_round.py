@@ -1,4 +1,5 @@
-"""Rounding helpers shared by our Triton kernels, so fused kernels round where torch's low-precision ops do."""
+"""Rounding helpers shared by our Triton kernels, so fused kernels round where torch's low-precision ops do, and
+the second kernel of a sum split over programs (`add_parts`)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,24 @@ if triton is not None:
         if dtype == tl.bfloat16:
             return _bf16_bits(v)
         return v.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _add_parts_kernel(parts_ptr, out_ptr, size, PARTS: tl.constexpr, DIVISOR: tl.constexpr,
+                          INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offsets < size
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for part in tl.static_range(PARTS):
+            total += tl.load(parts_ptr + part * size + offsets, mask=ok, other=0.0).to(tl.float32)
+        if DIVISOR != 1:
+            total = total / DIVISOR
+        tl.store(out_ptr + offsets, round_to(total, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+
+
+def add_parts(parts: torch.Tensor, out: torch.Tensor, divisor: int = 1) -> torch.Tensor:
+    """out = (parts[0] + parts[1] + ...) / divisor for contiguous parts [P, *out.shape]: added in float32 from
+    zero in part order and rounded once to out's dtype, so a sum split over programs ends as one fixed sum."""
+    size = out.numel()
+    _add_parts_kernel[(triton.cdiv(size, 1024),)](parts, out, size, PARTS=parts.shape[0], DIVISOR=divisor,
+                                                  INTERPRETED=interpreted(out), BLOCK=1024)
+    return out
