@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..state import AttentionState
-from . import qsa_kernels, row_products
+from . import qsa_kernels, qsa_select_kernel, row_products
 from .config import ModelConfig
 from .norms import RMSNorm
 from .rope import apply_rotary
@@ -108,12 +108,16 @@ class Indexer(nn.Module):
             chosen = torch.arange(self.block_topk, device=x.device).expand(n, -1)
             return token_lists(chosen, complete, positions, self.ratio, state.index_keys.shape[0])
         blocks = state.block_keys[:end // self.ratio]
+        width = (self.block_topk + 1) * self.ratio
+        index = torch.empty(n, width, dtype=torch.int32, device=x.device)
+        valid = torch.empty(n, width, dtype=torch.bool, device=x.device)
         # The ranking keys ([rows, n_blocks] int64) are the work space that grows with the prefix.
-        chosen = torch.empty(n, self.block_topk, dtype=torch.long, device=x.device)
         for first, last in _query_slices(n, max(QUERY_SLICE, SCORE_BUDGET_BYTES // (16 * blocks.shape[0]))):
             keys = qsa_kernels.rank_blocks(q[first:last], blocks, complete[first:last])
-            chosen[first:last] = keys.topk(self.block_topk, dim=-1, sorted=False).indices
-        return token_lists(chosen.sort(dim=-1).values, complete, positions, self.ratio, state.index_keys.shape[0])
+            qsa_select_kernel.token_lists(keys, complete[first:last], positions[first:last], self.block_topk,
+                                          self.ratio, state.index_keys.shape[0],
+                                          out=(index[first:last], valid[first:last]))
+        return index, valid
 
     def _store_keys(self, x: torch.Tensor, start: int, cos_all: torch.Tensor, sin_all: torch.Tensor,
                     state: AttentionState) -> torch.Tensor:
@@ -182,8 +186,8 @@ class Indexer(nn.Module):
         n_blocks = state.block_keys.shape[1]
         if kernels_fit and qsa_kernels.usable(x):
             keys = qsa_kernels.rank_blocks(q, state.block_keys, complete)
-            chosen = keys.topk(min(self.block_topk, n_blocks), dim=-1, sorted=False).indices.sort(dim=-1).values
-            return token_lists(chosen, complete, positions, self.ratio, state.index_keys.shape[1])
+            return qsa_select_kernel.token_lists(keys, complete, positions, min(self.block_topk, n_blocks),
+                                                 self.ratio, state.index_keys.shape[1])
         scores = torch.relu(torch.bmm(q.float(), state.block_keys.float().transpose(1, 2))).sum(1)
         scores = scores / math.sqrt(self.dim) + 0.0      # + 0.0 turns -0.0 into +0.0 for the bit keys below
         # A non-negative float's bits order like its value; the low word makes earlier blocks win ties,
