@@ -153,3 +153,24 @@ def _filled(model, n):
 
 def _stored_lengths(cache):
     return [snap.length for snap in cache._snapshots.values()]
+
+
+@pytest.mark.parametrize("environment, expected", [
+    ({}, "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "pinned_num_register_threads:4"}, None),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"},
+     "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"),
+])
+def test_pinned_snapshot_buffers_are_registered_in_threads_unless_the_operator_says(monkeypatch, environment,
+                                                                                     expected):
+    from qwen4exp.engine import snapshot
+
+    for name in snapshot._ALLOC_CONF_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.version, "hip", None)
+    seen = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", seen.append, raising=False)
+    snapshot.pin_in_threads()
+    assert seen == ([expected] if expected else [])

@@ -13,7 +13,9 @@ import collections
 import logging
 import threading
 import time
+from array import array
 
+import numpy
 import torch
 
 from .decode_runner import DecodeRunner
@@ -26,6 +28,16 @@ from .slots import Slot, SlotPool
 from .stops import StopMatcher
 
 log = logging.getLogger("qwen4exp.engine")
+
+
+def _ids_in_range(ids, vocab: int) -> bool:
+    """Whether every id is an integer in [0, vocab): through a typed array, as the element-wise check costs
+    ~0.6 ms for a 16K-token prompt, a fifth of a resent prompt's whole time to first token."""
+    try:
+        values = numpy.frombuffer(array("q", ids), dtype=numpy.int64)
+    except (TypeError, OverflowError):
+        return False
+    return bool(values.min() >= 0 and values.max() < vocab)
 
 
 class Engine:
@@ -86,8 +98,8 @@ class Engine:
             raise RequestRejected("the prompt has no tokens")
         if request.max_tokens < 1:
             raise RequestRejected(f"max_tokens must be >= 1, got {request.max_tokens}")
-        bad = [t for t in request.prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
+        if not _ids_in_range(request.prompt_ids, vocab):
+            bad = [t for t in request.prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
             raise RequestRejected(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         if n + request.max_tokens > self.context:
             raise RequestRejected(f"prompt of {n} tokens + max_tokens {request.max_tokens} = "
@@ -215,13 +227,17 @@ class Engine:
                 return self.model([Segment(ids, slot.state)])[0]
 
             logits = run_with_oom_retry(run_chunk, self.device, f"the prompt chunk {begin}..{end} of {request.id}")
-            del saved, run_chunk                 # the state copies go before the cache is emptied
-            release_cached_blocks(self.device)   # give back what this chunk's temporaries grew
+            del saved, run_chunk
             slot.prefilled = end
             if self.prefix_cache is not None and end % self.restore_spacing == 0:
                 self._capture(slot, request.prompt_ids[:end], logits)
             if end == len(request.prompt_ids):
                 self._accept(slot, slot.sampler(logits))
+                del logits
+                # The prompt's chunk temporaries go back to the device once the prompt is done; between its
+                # chunks the allocator keeps them for the next chunk, which needs the same blocks (emptying
+                # after every chunk cost a device synchronisation and the blocks' allocation again).
+                release_cached_blocks(self.device)
         except Exception as err:  # noqa: BLE001 - an engine error fails this request only
             log.exception("prefill failed for %s", request.id)
             self._finish(slot, request, FinishReason.ERROR, f"{type(err).__name__}: {err}")

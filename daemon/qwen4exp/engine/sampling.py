@@ -90,7 +90,7 @@ class Sampler:
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] | torch.Tensor = ()):
         self.params = params
         self.history: list[int] = []
-        self._prompt = torch.as_tensor(prompt_ids, dtype=torch.long).detach().flatten().cpu()
+        self._prompt_ids = prompt_ids              # made a tensor only if the penalties need it
         self._seen: torch.Tensor | None = None    # bool [V]: in the prompt or generated
         self._counts: torch.Tensor | None = None  # float32 [V]: times generated
         seed = params.seed if params.seed is not None else secrets.randbits(64)
@@ -129,12 +129,13 @@ class Sampler:
         # token at a time; rebuilt if the logits move to another device.
         if self._seen is None or self._seen.device != scores.device or self._seen.numel() != scores.numel():
             vocab, device = scores.numel(), scores.device
-            ids = torch.cat([self._prompt, torch.tensor(self.history, dtype=torch.long)])
+            prompt = torch.as_tensor(self._prompt_ids, dtype=torch.long).detach().flatten().cpu()
+            ids = torch.cat([prompt, torch.tensor(self.history, dtype=torch.long)])
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
                 raise ValueError(f"prompt token ids must be in [0, {vocab}) for the penalties, "
                                  f"got {int(ids.min())}..{int(ids.max())}")
             ids = ids.to(device)
-            generated = ids[self._prompt.numel():]
+            generated = ids[prompt.numel():]
             self._counts = torch.zeros(vocab, device=device).index_add_(
                 0, generated, torch.ones(generated.numel(), device=device))
             self._seen = torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)

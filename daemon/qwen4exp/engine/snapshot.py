@@ -9,6 +9,7 @@ carved into views, so a capture or a restore is one copy per tensor and one allo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from .state import AttentionState, DeltaNetState, SequenceState
 
 _ALIGN = 64
+_ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
 
 def _pieces(state: SequenceState, length: int, ratio: int) -> list[torch.Tensor]:
@@ -32,6 +34,24 @@ def _pieces(state: SequenceState, length: int, ratio: int) -> list[torch.Tensor]
     return pieces
 
 
+def pin_in_threads() -> None:
+    """Have torch pin host buffers by touching their pages in 8 threads and then registering them with the
+    driver, not in one cudaHostAlloc call: a capture allocates its buffer while the prompt waits, and on the
+    H200 host a 96 MiB buffer took 44 ms the default way and 15-21 ms this way (torch's allocator options
+    pinned_use_{cuda,hip}_host_register and pinned_num_register_threads). An operator's own pinned options in
+    the environment are left as they are."""
+    configured = " ".join(os.environ.get(name, "") for name in _ALLOC_CONF_VARIABLES)
+    if "pinned_" in configured:
+        return
+    runtime = "hip" if torch.version.hip else "cuda"
+    settings = f"pinned_use_{runtime}_host_register:True,pinned_num_register_threads:8"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is not None:
+        setter(settings)
+    else:
+        torch.cuda.memory._set_allocator_settings(settings)
+
+
 @dataclass
 class SnapshotBackend:
     """Where snapshots live: `tier` is "host" (pinned or plain system memory) or "device"."""
@@ -44,6 +64,7 @@ class SnapshotBackend:
         if device.type == "cuda":
             if torch.cuda.get_device_properties(device).is_integrated:
                 return cls(device, pinned=False, tier="device")   # unified memory: the device's is the system's
+            pin_in_threads()
             return cls(torch.device("cpu"), pinned=True, tier="host")
         return cls(torch.device("cpu"), pinned=False, tier="host")
 
