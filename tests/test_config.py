@@ -108,7 +108,7 @@ def test_shipped_profile_contents(etc):
     assert tiny.server.api_key is None and tiny.server.port == 8077 and tiny.prefix_cache.enabled
     assert (h200.target.name, h200.dtype, h200.max_ctx) == ("cuda:0", "bfloat16", "auto")
     assert h200.snapshot_device.name == "cpu"
-    assert h200.prefix_cache.resident_limit == "auto" and h200.restore_spacing == h200.chunk_tokens == 512
+    assert h200.prefix_cache.resident_limit == "auto" and h200.restore_spacing == h200.chunk_tokens == 2048
     assert [d.name for d in strix.split_devices] == ["cuda:1"] and strix.target.name == "cuda:0"
     assert [n for n, _, _ in list_profiles(env_for(etc))] == ["h200", "qwen-next-r9700-strix", "tiny"]
 

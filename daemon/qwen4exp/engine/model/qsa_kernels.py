@@ -158,13 +158,6 @@ if triton is not None:
         tl.store(out_ptr + slot * DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
-def flags(valid: torch.Tensor) -> torch.Tensor:
-    """A list's valid flags as the int8 the attention kernel reads: a bool tensor's own bytes, else a copy."""
-    if valid.dtype == torch.bool:
-        return valid.contiguous().view(torch.int8)
-    return valid.to(torch.int8).contiguous()
-
-
 def rank_blocks(q: torch.Tensor, block_keys: torch.Tensor, complete: torch.Tensor) -> torch.Tensor:
     """Top-k keys int64 [rows, n_blocks] for queries q [rows, heads, dim] over block keys [n_blocks, dim]
     (one sequence) or [rows, n_blocks, dim] (a row each); complete [rows]: the blocks each query sees."""
@@ -216,7 +209,7 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         part = torch.empty(rows * heads * splits, dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(rows * heads * splits, 2, dtype=torch.float32, device=q.device)
     _attend_kernel[(rows, kv_heads, splits)](
-        q, keys, values, index.to(torch.int32).contiguous(), flags(valid), out, part,
+        q, keys, values, index.to(torch.int32).contiguous(), valid.to(torch.bool).contiguous(), out, part,
         stats, tokens, per_split, keys.stride(0) if per_row else 0, keys.stride(-3), scale, HEADS=heads,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK_N=ATTEND_TOKENS,
         SPLITS=splits, INTERPRETED=interpreted(q), num_warps=ATTEND_WARPS)

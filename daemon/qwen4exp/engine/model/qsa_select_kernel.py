@@ -80,7 +80,7 @@ if triton is not None:
             where = slot[:, None] * RATIO + within[None, :]
             tl.store(index_ptr + row * width + where, (offs[:, None] * RATIO + within[None, :]).to(tl.int32),
                      mask=kept[:, None])
-            tl.store(valid_ptr + row * width + where, tl.full([TILE, RATIO], 1, tl.int8), mask=kept[:, None])
+            tl.store(valid_ptr + row * width + where, tl.full([TILE, RATIO], 1, tl.int1), mask=kept[:, None])
             taken += tl.sum(kept_i, axis=0)
             tied += tl.sum(tie, axis=0)
         # The rest of the k blocks' entries (fewer visible blocks than k), then the tail block up to the query.
@@ -88,10 +88,10 @@ if triton is not None:
             offs = start + lanes
             unused = (offs >= taken * RATIO) & (offs < K * RATIO)
             tl.store(index_ptr + row * width + offs, tl.zeros([TILE], tl.int32), mask=unused)
-            tl.store(valid_ptr + row * width + offs, tl.zeros([TILE], tl.int8), mask=unused)
+            tl.store(valid_ptr + row * width + offs, tl.zeros([TILE], tl.int1), mask=unused)
         tail = complete * RATIO + within
         tl.store(index_ptr + row * width + K * RATIO + within, tl.minimum(tail, capacity - 1))
-        tl.store(valid_ptr + row * width + K * RATIO + within, (tail <= position).to(tl.int8))
+        tl.store(valid_ptr + row * width + K * RATIO + within, tail <= position)
 
 
 def token_lists(keys: torch.Tensor, complete: torch.Tensor, positions: torch.Tensor, k: int, ratio: int,
@@ -113,7 +113,7 @@ def token_lists(keys: torch.Tensor, complete: torch.Tensor, positions: torch.Ten
             or valid.dtype != torch.bool or not (index.is_contiguous() and valid.is_contiguous()):
         raise ValueError(f"token lists: out must be contiguous int32 and bool tensors of shape {(rows, width)}")
     if rows:
-        _select_kernel[(rows,)](keys.contiguous(), complete.contiguous(), positions.contiguous(), index,
-                                valid.view(torch.int8), n_blocks, capacity, K=k, RATIO=ratio, TILE=SELECT_TILE,
-                                num_warps=SELECT_WARPS)
+        # The flags go in as bool: Triton stores them as bytes (a view as int8 does not survive torch.compile).
+        _select_kernel[(rows,)](keys.contiguous(), complete.contiguous(), positions.contiguous(), index, valid,
+                                n_blocks, capacity, K=k, RATIO=ratio, TILE=SELECT_TILE, num_warps=SELECT_WARPS)
     return index, valid
