@@ -31,8 +31,9 @@ log = logging.getLogger("qwen4exp.engine")
 
 
 def _ids_in_range(ids, vocab: int) -> bool:
-    """Whether every id is an integer in [0, vocab): through a typed array, as the element-wise check costs
-    ~0.6 ms for a 16K-token prompt, a fifth of a resent prompt's whole time to first token."""
+    """Whether every id is an integer in [0, vocab), through a typed array: a check per element took 0.6 ms for
+    a 16K-token prompt on a CPU here (0.4 ms this way), out of the 3.8 ms a resent prompt waits for its first
+    token on the H200."""
     try:
         values = numpy.frombuffer(array("q", ids), dtype=numpy.int64)
     except (TypeError, OverflowError):

@@ -37,7 +37,7 @@ def _pieces(state: SequenceState, length: int, ratio: int) -> list[torch.Tensor]
 def pin_in_threads() -> None:
     """Have torch pin host buffers by touching their pages in 8 threads and then registering them with the
     driver, not in one cudaHostAlloc call: a capture allocates its buffer while the prompt waits, and on the
-    H200 host a 96 MiB buffer took 44 ms the default way and 15-21 ms this way (torch's allocator options
+    H200 host a 96 MiB buffer took 44-66 ms the default way and 15-27 ms this way (torch's allocator options
     pinned_use_{cuda,hip}_host_register and pinned_num_register_threads). An operator's own pinned options in
     the environment are left as they are."""
     configured = " ".join(os.environ.get(name, "") for name in _ALLOC_CONF_VARIABLES)
