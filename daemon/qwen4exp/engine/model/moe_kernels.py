@@ -29,6 +29,7 @@ try:  # Optional: CPU-only installs run the torch paths in moe.py.
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     triton = tl = None
 
+from . import pipeline_stages
 from .triton_round import interpreted
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -324,6 +325,16 @@ def group_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> 
     return pair_of_row, expert_of_block
 
 
+def grouped_configs(device: torch.device, itemsize: int) -> tuple[dict, dict]:
+    """The grouped kernels' configs with as many of their pipeline stages as fit on `device`: a gate/up stage
+    holds an [M, K] tile of x and the gate's and the up projection's [K, N] tiles, a down stage one of each."""
+    m, gu, dn = GROUPED_BLOCK_M, GROUPED_GATE_UP, GROUPED_DOWN
+    gate_up_stage = (m * gu["BLOCK_K"] + 2 * gu["BLOCK_K"] * gu["BLOCK_N"]) * itemsize
+    down_stage = (m * dn["BLOCK_K"] + dn["BLOCK_K"] * dn["BLOCK_N"]) * itemsize
+    return (gu | {"num_stages": pipeline_stages.stages_for(device, gate_up_stage, gu["num_stages"])},
+            dn | {"num_stages": pipeline_stages.stages_for(device, down_stage, dn["num_stages"])})
+
+
 def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor:
     """Prefill: x [T, H], ids/weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype,
@@ -341,14 +352,15 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     pair_of_row, expert_of_block = group_pairs_by_expert(ids, num_experts, GROUPED_BLOCK_M)
     max_blocks = expert_of_block.numel()
     on_cpu = interpreted(x)
+    gate_up_config, down_config = grouped_configs(x.device, x.element_size())
     h = torch.empty(pair_of_row.numel(), inter, device=x.device, dtype=x.dtype)
-    grid = (max_blocks * triton.cdiv(inter, GROUPED_GATE_UP["BLOCK_N"]),)
+    grid = (max_blocks * triton.cdiv(inter, gate_up_config["BLOCK_N"]),)
     _grouped_gate_up_kernel[grid](x, pair_of_row, expert_of_block, gate_up, h, pairs, num_experts, hidden, inter,
-                                  top_k, INTERPRETED=on_cpu, BLOCK_M=GROUPED_BLOCK_M, **GROUPED_GATE_UP)
+                                  top_k, INTERPRETED=on_cpu, BLOCK_M=GROUPED_BLOCK_M, **gate_up_config)
     y = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)
-    grid = (max_blocks * triton.cdiv(hidden, GROUPED_DOWN["BLOCK_N"]),)
+    grid = (max_blocks * triton.cdiv(hidden, down_config["BLOCK_N"]),)
     _grouped_down_kernel[grid](h, pair_of_row, expert_of_block, weights, down, y, pairs, num_experts, hidden, inter,
-                               INTERPRETED=on_cpu, BLOCK_M=GROUPED_BLOCK_M, **GROUPED_DOWN)
+                               INTERPRETED=on_cpu, BLOCK_M=GROUPED_BLOCK_M, **down_config)
     return _combine(y, None, rows, hidden, top_k, x.dtype)
 
 

@@ -24,6 +24,7 @@ try:  # Optional: CPU-only installs use F.linear.
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     triton = tl = None
 
+from . import pipeline_stages
 from .triton_round import add_parts, interpreted
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -64,6 +65,13 @@ def plan(n: int, k: int) -> dict:
     while programs * split < 264 and k // (split * 2) >= 1024:
         split *= 2
     return {"BLOCK_N": block_n, "BLOCK_K": 256, "SPLIT_K": split, "num_warps": 4, "num_stages": 4}
+
+
+def fitted(config: dict, device: torch.device, itemsize: int) -> dict:
+    """`config` with as many of its pipeline stages as fit on `device`: a stage holds a [MAX_ROWS, BLOCK_K] tile
+    of x and a [BLOCK_K, BLOCK_N] tile of the weight."""
+    stage = (MAX_ROWS + config["BLOCK_N"]) * config["BLOCK_K"] * itemsize
+    return config | {"num_stages": pipeline_stages.stages_for(device, stage, config["num_stages"])}
 
 
 if triton is not None:
@@ -114,14 +122,14 @@ def row_products(x: torch.Tensor, weight: torch.Tensor, config: dict | None = No
     if rows == 0 or n == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
-    config = dict(config or plan(n, k))
+    config = fitted(config or plan(n, k), x.device, x.element_size())
     split = config.pop("SPLIT_K")
     part_k = triton.cdiv(triton.cdiv(k, split), config["BLOCK_K"]) * config["BLOCK_K"]
     split = triton.cdiv(k, part_k)
     parts = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if split > 1 else out
     grid = (triton.cdiv(n, config["BLOCK_N"]), split)
     _rows_kernel[grid](x, weight, out, parts, rows, n, k, x.stride(0), weight.stride(0), part_k,
-                       INTERPRETED=interpreted(x), BLOCK_M=16, SPLIT_K=split, **config)
+                       INTERPRETED=interpreted(x), BLOCK_M=MAX_ROWS, SPLIT_K=split, **config)
     if split > 1:
         add_parts(parts, out)
     return out
