@@ -5,7 +5,8 @@ reversed block index in the low word, -1 for blocks the query does not see. The 
 top `k` keys (best scores, ties to the earlier block: `Indexer.select`'s stable sort) in block order, then
 the incomplete tail block. torch.topk took those keys (a radix select that spends 2 bits per pass on 64-bit
 keys, over the engine's whole capacity), a sort put them back in block order and six more ops expanded them
-to tokens: in a decode step, ~60 us per QSA layer at a 8192-token capacity and more as it grows.
+to tokens: in a decode step on the H200, ~60 us per QSA layer at an 8192-token capacity and more as it
+grows, where this kernel takes ~11 us (docs/PERFORMANCE.md).
 
 Here a query's program finds the k-th best score by a radix select over the score word (four 8-bit digits,
 each a histogram of the blocks still in the running), then walks its visible blocks in order and keeps those
