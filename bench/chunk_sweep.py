@@ -20,7 +20,7 @@ import argparse
 import json
 
 import torch
-from profile_step import bench_model
+from profile_step import add_model_arguments, bench_model
 from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.fit_measure import measure_state, measure_workspace
 from speed import first_token, prompt_ids, release
@@ -32,8 +32,7 @@ def sizes(text: str) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--checkpoint", help="a checkpoint directory; else random bench weights on the GPU")
-    parser.add_argument("--layers", type=int, default=8, help="without --checkpoint: bench preset layers")
+    add_model_arguments(parser)
     parser.add_argument("--position", type=int, default=65536, help="where the workspace is measured")
     parser.add_argument("--rows", type=sizes, default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--prompt", type=int, default=16384)

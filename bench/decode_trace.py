@@ -17,7 +17,7 @@ import json
 import time
 
 import torch
-from profile_step import bench_model, submit_busy
+from profile_step import add_model_arguments, bench_model, submit_busy
 from torch.profiler import ProfilerActivity, profile
 
 from qwen4exp.engine.engine import Engine
@@ -54,8 +54,7 @@ def trace(engine: Engine, busy: int, steps: int, limit: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--checkpoint", help="a checkpoint directory; else random bench weights on the GPU")
-    parser.add_argument("--layers", type=int, default=8, help="without --checkpoint: bench preset layers")
+    add_model_arguments(parser)
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=20, help="profiled steps")

@@ -34,6 +34,12 @@ def bench_model(checkpoint: str | None, layers: int):
     return random_model("bench", layers, torch.bfloat16, "cuda")
 
 
+def add_model_arguments(parser) -> None:
+    """--checkpoint and --layers, the choice `bench_model` takes (shared by the GPU benches built on it)."""
+    parser.add_argument("--checkpoint", help="a checkpoint directory; else random bench weights on the GPU")
+    parser.add_argument("--layers", type=int, default=8, help="without --checkpoint: bench preset layers")
+
+
 def submit_busy(engine: Engine, busy: int, prompt: int, tokens: int, limit: int, seed: int) -> list[Request]:
     g = torch.Generator().manual_seed(seed)
     requests = [engine.submit(Request(prompt_ids=torch.randint(0, limit, (prompt,), generator=g).tolist(),
@@ -86,8 +92,7 @@ def profile_long_prompt(engine: Engine, length: int, chunk: int, rows: int, limi
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--checkpoint", help="a checkpoint directory; else random bench weights on the GPU")
-    parser.add_argument("--layers", type=int, default=8, help="without --checkpoint: bench preset layers")
+    add_model_arguments(parser)
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=32)
