@@ -11,12 +11,13 @@ import time
 
 from qwen4exp.server.app import SUPERVISOR, ServerOptions, create_app
 from qwen4exp.server.options import EngineOptions
+from qwen4exp.server.serve import start_app
 
 API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
 
 
 class Server:
-    def __init__(self, checkpoint, context: int = 512):
+    def __init__(self, checkpoint, context: int = 512, **server_options):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -24,15 +25,13 @@ class Server:
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         engine = EngineOptions(model=str(checkpoint), device="cpu", slots=2, max_ctx=context, chunk=32,
                                prefix_cache_limit=64 << 20, queue_limit=4)
-        options = ServerOptions(model_name="tiny", api_key=API_KEY, admin_key=ADMIN_KEY, max_body_bytes=1 << 20)
+        options = ServerOptions(**({"model_name": "tiny", "api_key": API_KEY, "admin_key": ADMIN_KEY,
+                                    "max_body_bytes": 1 << 20} | server_options))
         self.app = create_app(engine, options)
         self.run(self._start())
 
     async def _start(self):
-        from aiohttp import web
-        self.runner = web.AppRunner(self.app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        self.runner = await start_app(self.app, "127.0.0.1", self.port)
 
     def run(self, coro, timeout=120):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -70,3 +70,15 @@ def test_a_too_long_request_is_refused_with_the_numbers(tiny_checkpoint, tmp_pat
     with pytest.raises(SystemExit) as err:
         main(["generate", "--model", str(tiny_checkpoint), "--prompts-file", str(path), "--context", "128"])
     assert "request 1: prompt of 100 tokens + max_tokens 50 = 150 exceeds the context of 128 tokens" in str(err.value)
+
+
+def test_set_changes_any_key_and_names_the_command_line(capsys, monkeypatch):
+    monkeypatch.delenv("QWEN4EXP_PROFILE", raising=False)
+    assert main(["profiles", "show", "--set", "server.port=9123", "--set", "prefix_cache.resident_limit=2GiB"]) == 0
+    shown = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
+    assert shown["server.port"] == ["9123", "command", "line"]
+    assert shown["prefix_cache.resident_limit"] == [str(2 << 30), "command", "line"]
+    with pytest.raises(SystemExit, match="unknown key server.prot"):
+        main(["serve", "--set", "server.prot=1"])
+    with pytest.raises(SystemExit, match="not key=value"):
+        main(["serve", "--set", "port"])

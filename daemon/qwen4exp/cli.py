@@ -132,10 +132,12 @@ def _generate_many(args: argparse.Namespace, model, tokenizer) -> int:
 
 
 def _settings(args: argparse.Namespace, keys: dict[str, str]):
-    """The effective settings: command line > environment > profile > defaults."""
-    from .config import ConfigError, load_settings
-    overrides = {key: getattr(args, attr) for attr, key in keys.items() if getattr(args, attr, None) is not None}
+    """The effective settings: command line (--set key=value, then the dedicated flags) > environment > profile >
+    defaults."""
+    from .config import ConfigError, load_settings, parse_assignments
     try:
+        overrides = parse_assignments(getattr(args, "set", None) or [])
+        overrides |= {key: getattr(args, attr) for attr, key in keys.items() if getattr(args, attr, None) is not None}
         return load_settings(args.profile, overrides=overrides)
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
@@ -177,11 +179,11 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     import warnings
 
-    from .config import ConfigError, check_profile
+    from .config import ConfigError, check_profile, parse_assignments
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            settings = check_profile(args.profile)
+            settings = check_profile(args.profile, overrides=parse_assignments(args.set or []))
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
@@ -207,6 +209,12 @@ def cmd_init_checkpoint(args: argparse.Namespace) -> int:
                                   device=args.device, progress=True)
     print(out)
     return 0
+
+
+def _add_set(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", action="append", metavar="KEY=VALUE",
+                        help="set one key of the profile (e.g. server.port=9000, prefix_cache.resident_limit=8GiB); "
+                             "repeatable; wins over the environment and the profile")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,15 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--slots", type=int, default=None)
     srv.add_argument("--chunk", default=None, help="prompt chunk in tokens, or 'auto'")
     srv.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    _add_set(srv)
     srv.set_defaults(func=cmd_serve)
 
     prof = sub.add_parser("profiles", help="list the profiles, or show the effective settings and their sources")
     prof.add_argument("action", choices=["list", "show"], nargs="?", default="list")
     prof.add_argument("--profile", default=None)
+    _add_set(prof)
     prof.set_defaults(func=cmd_profiles)
 
     chk = sub.add_parser("check", help="validate a profile without loading a model")
     chk.add_argument("--profile", default=None)
+    _add_set(chk)
     chk.set_defaults(func=cmd_check)
 
     from .plan_cli import add_parser as add_plan_parser

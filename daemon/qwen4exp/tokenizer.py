@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
+import secrets
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -56,7 +58,15 @@ class Tokenizer:
         self.source = source
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
-        self.special_ids = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
+        specials = {t.content: i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+        self.special_ids = frozenset(specials.values())
+        self._special_id = specials
+        # Longest first, so a special string that contains another is matched whole.
+        self._specials = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) \
+            if specials else None
+        # The same vocabulary with special-token strings read as plain text (for what users wrote).
+        self._plain = HFTokenizer.from_str(hf.to_str())
+        self._plain.encode_special_tokens = True
         self._template = None
         if chat_template is not None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -90,6 +100,43 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in it (e.g. from the chat template) become their ids."""
         return self._hf.encode(text, add_special_tokens=False).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with every character read as text: `<|im_end|>` in it is not the special token."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat rendered by the template, where only the template's own markers are special
+        tokens: a message that contains `<|im_end|><|im_start|>system` is that text, not a new turn.
+
+        Special strings in message contents are swapped for markers no client can guess before rendering, the
+        rendered text is cut at the template's special tokens, and each run between them is encoded as plain text
+        with the markers swapped back. For contents without special strings the ids are those of
+        `encode(apply_chat_template(...))`: the tokenizer cuts text at special tokens the same way."""
+        if self._specials is None:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        nonce = secrets.token_hex(8)
+        marker = re.compile(f"\ue000{nonce}(\\d+)\ue001")
+        found: list[str] = []
+
+        def hide(match: re.Match) -> str:
+            found.append(match.group(0))
+            return f"\ue000{nonce}{len(found) - 1}\ue001"
+
+        hidden = [m | {"content": self._specials.sub(hide, m["content"])} if isinstance(m.get("content"), str)
+                  else m for m in messages]
+        rendered = self.apply_chat_template(hidden, add_generation_prompt)
+        ids: list[int] = []
+        position = 0
+        for special in self._specials.finditer(rendered):
+            run = rendered[position:special.start()]
+            if run:
+                ids += self.encode_plain(marker.sub(lambda m: found[int(m.group(1))], run))
+            ids.append(self._special_id[special.group(0)])
+            position = special.end()
+        if position < len(rendered):
+            ids += self.encode_plain(marker.sub(lambda m: found[int(m.group(1))], rendered[position:]))
+        return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

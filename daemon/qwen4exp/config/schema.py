@@ -17,7 +17,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PlainValida
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .errors import KeyedValueError, suggest
-from .sizes import parse_optional_size, parse_seconds, parse_size
+from .sizes import parse_optional_size, parse_positive_seconds, parse_seconds, parse_size
 
 TRAINED_CONTEXT = 262144
 # QSA averages keys in blocks of 4 tokens: every cut (context, chunk, restore point) falls on a block edge.
@@ -97,6 +97,7 @@ Size = Annotated[int, PlainValidator(parse_size)]
 OptionalSize = Annotated[int | None, PlainValidator(parse_optional_size)]
 AutoSize = Annotated[int | Literal["auto"], PlainValidator(_auto_size)]
 Seconds = Annotated[float | None, PlainValidator(parse_seconds)]
+PositiveSeconds = Annotated[float, PlainValidator(parse_positive_seconds)]
 
 
 class _Table(BaseModel):
@@ -136,10 +137,21 @@ class Server(_Table):
         None, "a non-empty string", "Bearer key for the inference endpoints (/generate, /v1/*); none: open.")
     admin_key: SecretStr | None = _field(
         None, "a non-empty string", "Bearer key for the admin endpoints (/park, /unpark); none: open.")
-    queue_limit: int = _field(64, "a whole number of at least 1", "Requests waiting for a slot before 503.", ge=1)
+    queue_limit: int = _field(64, "a whole number of at least 1", "Requests waiting for a slot before 429.", ge=1)
     max_body_bytes: Size = _field(8 * 2**20, "a size like '8MiB'", "Largest request body accepted.")
     request_timeout: Seconds = _field(
-        600.0, "seconds, a duration like '10m', or 'never'", "Longest a request may run, queue included.")
+        600.0, "seconds, a duration like '10m', or 'never'",
+        "Longest a request may take, queue, prefill and decode together; past it the answer is 408 with what it "
+        "generated (in a stream: an error event).")
+    header_timeout: PositiveSeconds = _field(
+        10.0, "seconds or a duration like '30s'",
+        "Longest a connection may take to send a request's headers, counted from its opening or its last "
+        "answer (so an idle keep-alive connection is closed after this long).")
+    body_timeout: PositiveSeconds = _field(
+        60.0, "seconds or a duration like '2m'", "Longest a request's body may take to arrive; past it, 408.")
+    max_connections: int = _field(
+        1024, "a whole number of at least 1",
+        "Connections open at once; past it, a new connection is answered 503 with Retry-After and closed.", ge=1)
 
     @field_validator("api_key", "admin_key")
     @classmethod

@@ -71,6 +71,14 @@ def parse_seconds(value: object) -> float | None:
     return float(value)
 
 
+def parse_positive_seconds(value: object) -> float:
+    """Like parse_seconds, for limits that must exist (a connection deadline): 'never' is refused."""
+    seconds = parse_seconds(value)
+    if seconds is None:
+        raise ValueError("this limit cannot be 'never': give seconds or a duration like '30s'")
+    return seconds
+
+
 def format_size(nbytes: int) -> str:
     """The shortest exact binary spelling: 34359738368 -> '32GiB', 1000 -> '1000B'."""
     for unit, scale in _BINARY:

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from dataclasses import dataclass
 
 from aiohttp import web
 
-from ..tokenizer import Tokenizer
-from .errors import ApiError, error_middleware, read_json
+from .connections import ConnectionGuard
+from .errors import ApiError, error_middleware, parse_json, read_body
 from .metrics import render_metrics
 from .options import EngineOptions
-from .supervisor import Supervisor
+from .prepare import Prepared, Preparer
+from .supervisor import EngineUnavailable, Supervisor
 
 
 @dataclass(frozen=True)
@@ -25,10 +27,16 @@ class ServerOptions:
     wake_on_request: bool = False
     park_after_idle: float | None = None      # seconds without requests before an automatic park
     default_max_tokens: int = 256
+    request_timeout: float | None = 600.0     # queue + prefill + decode of one request
+    header_timeout: float = 10.0              # a connection's request headers, and its idle time between requests
+    body_timeout: float = 60.0                # a request's body, once its headers arrived
+    max_connections: int = 1024               # open at once; past it, new connections get 503 and are closed
 
 
+log = logging.getLogger("qwen4exp.server")
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
-TOKENIZER = web.AppKey("tokenizer", Tokenizer)
+PREPARER = web.AppKey("preparer", Preparer)
+GUARD = web.AppKey("guard", ConnectionGuard)
 OPTIONS = web.AppKey("options", ServerOptions)
 ENGINE_OPTIONS = web.AppKey("engine_options", EngineOptions)
 STARTED = web.AppKey("started", float)
@@ -38,33 +46,48 @@ ADMIN_PATHS = ("/park", "/unpark")
 
 
 def _authorised(request: web.Request, key: str | None) -> bool:
+    """Whether the request carries `Authorization: Bearer <key>` (the scheme in any case, as HTTP says)."""
     if not key:
         return True
-    given = request.headers.get("Authorization", "")
-    return hmac.compare_digest(given.encode(), f"Bearer {key}".encode())
+    scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+    # Header bytes that are not UTF-8 reach us as surrogate escapes: compare them as the bytes they were.
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
+                                                              key.encode())
+
+
+def _admin(request: web.Request) -> bool:
+    # Without an admin key, the API key guards the admin endpoints too (never leave them open by accident).
+    options = request.app[OPTIONS]
+    return _authorised(request, options.admin_key or options.api_key)
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    options = request.app[OPTIONS]
-    # Without an admin key, the API key guards the admin endpoints too (never leave them open by accident).
-    if request.path.startswith(ADMIN_PATHS) and not _authorised(request, options.admin_key or options.api_key):
+    if request.path.startswith(ADMIN_PATHS) and not _admin(request):
         raise ApiError(401, "this admin endpoint needs 'Authorization: Bearer <admin key>'", "authentication_error")
-    if request.path.startswith(INFERENCE_PATHS) and not _authorised(request, options.api_key):
+    if request.path.startswith(INFERENCE_PATHS) and not _authorised(request, request.app[OPTIONS].api_key):
         raise ApiError(401, "this endpoint needs 'Authorization: Bearer <api key>'", "authentication_error")
     return await handler(request)
 
 
-def model_vocab(app: web.Application) -> int:
-    """The model's vocabulary size (ids past the tokenizer's own vocabulary are still valid ids)."""
-    return app[SUPERVISOR].info.get("vocab_size") or app[TOKENIZER].vocab_size
+def request_timeout(app: web.Application) -> float | None:
+    return app[OPTIONS].request_timeout
+
+
+async def prepared_request(request: web.Request, endpoint: str) -> Prepared:
+    """The request's body read (within server.body_timeout) and prepared for the engine off the event loop."""
+    raw = await read_body(request, request.app[OPTIONS].body_timeout)
+    return await request.app[PREPARER].prepare(endpoint, raw, request.app[SUPERVISOR].fitted_context)
 
 
 async def ensure_serving(app: web.Application) -> Supervisor:
     """The supervisor, ready; wakes a parked engine when the profile says so."""
     supervisor = app[SUPERVISOR]
     if supervisor.state == "parked" and app[OPTIONS].wake_on_request:
-        await supervisor.unpark()
+        try:
+            await supervisor.unpark()
+        except EngineUnavailable:
+            pass                          # the state says why; the answer below reports it
     if supervisor.state != "ready":
         raise ApiError(503, f"the engine is {supervisor.state}" + (f": {supervisor.error}" if supervisor.error else ""),
                        "server_error", headers={"Retry-After": "5"})
@@ -84,9 +107,13 @@ async def props(request: web.Request) -> web.Response:
     supervisor, engine_options = app[SUPERVISOR], app[ENGINE_OPTIONS]
     stats = await supervisor.stats()
     context = supervisor.fitted_context
+    options = app[OPTIONS]
+    # Where the model lives on disk is the operator's business: shown only to the admin key when keys are set.
+    shown = {"model_path": engine_options.model} if not (options.api_key or options.admin_key) or _admin(request) \
+        else {}
     return web.json_response({
         "model": app[OPTIONS].model_name,
-        "model_path": engine_options.model,
+        **shown,
         "state": supervisor.state,
         "context": context,
         "context_source": "profile" if engine_options.max_ctx != "auto" else "fitted (max_ctx = \"auto\")",
@@ -113,38 +140,29 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def park(request: web.Request) -> web.Response:
-    supervisor = request.app[SUPERVISOR]
-    body = await read_json(request) if request.can_read_body else {}
+    body = parse_json(await read_body(request, request.app[OPTIONS].body_timeout)) if request.can_read_body else {}
     mode = body.get("mode", "wait")
     if mode not in ("wait", "abort"):
         raise ApiError(400, f"'mode' must be \"wait\" or \"abort\", got {mode!r}", param="mode")
-    if supervisor.state == "parked":
-        return web.json_response({"parked": True, "already": True, "context": supervisor.fitted_context})
-    if supervisor.state != "ready":
-        raise ApiError(503, f"the engine is {supervisor.state}; it cannot be parked now", "server_error")
     started = time.perf_counter()
-    supervisor.state = "parking"          # new requests get 503 from here on
     try:
-        if mode == "wait":
-            while supervisor.in_flight:
-                await asyncio.sleep(0.02)
-        info = await supervisor.park()
-    except BaseException:
-        if supervisor.state == "parking":      # the park did not happen: serve again
-            supervisor.state = "ready"
-        raise
+        info = await request.app[SUPERVISOR].park(mode)
+    except EngineUnavailable as err:
+        raise ApiError(503, str(err), "server_error", headers={"Retry-After": "5"}) from None
+    if info.get("already"):
+        return web.json_response({"parked": True, "already": True, "context": info["context"]})
     return web.json_response({"parked": True, "mode": mode, "seconds": round(time.perf_counter() - started, 3),
                               "bytes_freed": info["bytes_freed"], "context": info["context"]})
 
 
 async def unpark(request: web.Request) -> web.Response:
-    supervisor = request.app[SUPERVISOR]
-    if supervisor.state == "ready":
-        return web.json_response({"parked": False, "already": True, "context": supervisor.fitted_context})
-    if supervisor.state != "parked":
-        raise ApiError(503, f"the engine is {supervisor.state}; nothing to unpark", "server_error")
     started = time.perf_counter()
-    info = await supervisor.unpark()
+    try:
+        info = await request.app[SUPERVISOR].unpark()
+    except EngineUnavailable as err:
+        raise ApiError(503, str(err), "server_error", headers={"Retry-After": "5"}) from None
+    if info.get("already"):
+        return web.json_response({"parked": False, "already": True, "context": info["context"]})
     return web.json_response({"parked": False, "seconds": round(time.perf_counter() - started, 3),
                               "context": info["context"]})
 
@@ -154,9 +172,11 @@ def create_app(engine_options: EngineOptions, options: ServerOptions) -> web.App
     from .openai_api import routes as openai_routes
     from .openapi import openapi
 
-    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=options.max_body_bytes)
-    app[OPTIONS], app[ENGINE_OPTIONS], app[STARTED] = options, engine_options, time.time()
-    app[TOKENIZER] = Tokenizer.from_dir(engine_options.model)
+    guard = ConnectionGuard(options.header_timeout, options.max_connections)
+    app = web.Application(middlewares=[guard.middleware, error_middleware, auth_middleware],
+                          client_max_size=options.max_body_bytes)
+    app[OPTIONS], app[ENGINE_OPTIONS], app[STARTED], app[GUARD] = options, engine_options, time.time(), guard
+    app[PREPARER] = Preparer(engine_options.model, options.default_max_tokens)
     app[SUPERVISOR] = Supervisor(engine_options)
     app.router.add_get("/health", health)
     app.router.add_get("/props", props)
@@ -172,12 +192,13 @@ def create_app(engine_options: EngineOptions, options: ServerOptions) -> web.App
 
 async def _engine_lifecycle(app: web.Application):
     supervisor = app[SUPERVISOR]
-    await supervisor.start()
+    await asyncio.gather(supervisor.start(), app[PREPARER].start())
     idle = app[OPTIONS].park_after_idle
     watcher = asyncio.ensure_future(_park_when_idle(supervisor, idle)) if idle else None
     yield
     if watcher is not None:
         watcher.cancel()
+    app[PREPARER].close()
     await supervisor.stop()
 
 
@@ -187,4 +208,7 @@ async def _park_when_idle(supervisor: Supervisor, seconds: float) -> None:
         await asyncio.sleep(min(seconds, 5.0))
         if supervisor.state == "ready" and not supervisor.in_flight and \
                 time.monotonic() - supervisor.last_activity >= seconds:
-            await supervisor.park()
+            try:
+                await supervisor.park()
+            except EngineUnavailable as err:       # e.g. the worker is restarting: try again later
+                log.warning("the idle park did not happen: %s", err)

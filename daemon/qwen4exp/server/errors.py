@@ -1,7 +1,9 @@
-"""HTTP errors as JSON, shaped like OpenAI's: {"error": {"message", "type", "code", "param"}}."""
+"""HTTP errors as JSON, shaped like OpenAI's: {"error": {"message", "type", "code", "param"}}, and reading a
+request's JSON body."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -11,16 +13,25 @@ log = logging.getLogger("qwen4exp.server")
 
 
 class ApiError(Exception):
+    """An answer the client gets instead of a result. `extra` adds fields to the error object (e.g. `partial`:
+    what a request given up on had generated)."""
+
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 headers: dict | None = None):
+                 headers: dict | None = None, extra: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers or {}
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.headers, self.extra = headers or {}, extra or {}
+
+    def __reduce__(self):        # raised in the request-preparing processes, re-raised in the server's
+        return ApiError, (self.status, self.message, self.kind, self.param, self.headers, self.extra)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.status, "param": self.param,
+                          **self.extra}}
 
 
-def error_response(status: int, message: str, kind: str, param: str | None = None,
-                   headers: dict | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "code": status, "param": param}}
-    return web.json_response(body, status=status, headers=headers)
+def error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
 
 
 @web.middleware
@@ -28,20 +39,24 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as err:
-        return error_response(err.status, err.message, err.kind, err.param, err.headers)
+        return error_response(err)
     except web.HTTPRequestEntityTooLarge as err:
-        return error_response(413, f"the request body is too large ({err.text})", "invalid_request_error")
+        return error_response(ApiError(413, f"the request body is too large ({err.text})"))
     except web.HTTPException as err:
         if err.status < 400:
             raise
-        return error_response(err.status, err.reason, "invalid_request_error")
+        return error_response(ApiError(err.status, err.reason))
+    except ConnectionError:
+        # The client went away while its request was read or answered: nothing to answer, nothing broken.
+        log.info("the client of %s %s went away", request.method, request.path)
+        raise
     except Exception:  # noqa: BLE001 - the server keeps serving; the client gets a 500 with no internals
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(500, "internal error (see the server log)", "server_error")
+        return error_response(ApiError(500, "internal error (see the server log)", "server_error"))
 
 
-async def read_json(request: web.Request) -> dict:
-    raw = await request.read()
+def parse_json(raw: bytes) -> dict:
+    """A request body as a JSON object, or ApiError(400) saying what is wrong with it and where."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -51,6 +66,20 @@ async def read_json(request: web.Request) -> dict:
     except json.JSONDecodeError as err:
         raise ApiError(400, f"the request body is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") \
             from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply to read") from None
+    except ValueError as err:      # an integer longer than Python converts (sys.get_int_max_str_digits)
+        reason = str(err).split(";")[0]
+        raise ApiError(400, f"the request body has a number that cannot be read: {reason}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+async def read_body(request: web.Request, timeout: float | None = None) -> bytes:
+    """The body's bytes, read within `timeout` seconds: a client that sends it slower gets 408."""
+    try:
+        return await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s (server.body_timeout)",
+                       headers={"Connection": "close"}) from None

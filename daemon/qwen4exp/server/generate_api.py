@@ -1,16 +1,16 @@
-"""POST /generate: the native API. Text or token ids in, text, ids, usage and timings out; JSON or SSE."""
+"""POST /generate: the native API. Text or token ids in, text, ids, usage and timings out; JSON or SSE.
+
+A request the server gave up on after its stream began ends with an event whose finish_reason is "error" and
+whose `error` is the error object a JSON answer would have had (with `partial`: what was generated)."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from .app import OPTIONS, TOKENIZER, ensure_serving, model_vocab
-from .errors import ApiError, read_json
-from .request_fields import SAMPLING_FIELDS, check_known, engine_fields, token_ids
-from .runner import SSE, collect, events
+from .app import ensure_serving, prepared_request, request_timeout
+from .runner import collect, events, stream_response
 
 routes = web.RouteTableDef()
-FIELDS = {"prompt", "prompt_ids", "max_tokens", "stream", "stop", "stop_token_ids", "ignore_eos", *SAMPLING_FIELDS}
 
 
 def usage(result: dict) -> dict:
@@ -27,35 +27,23 @@ def usage(result: dict) -> dict:
 
 @routes.post("/generate")
 async def generate(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
-    check_known(body, FIELDS, "/generate")
-    tokenizer = request.app[TOKENIZER]
-    if ("prompt" in body) == ("prompt_ids" in body):
-        raise ApiError(400, "give exactly one of 'prompt' (text) or 'prompt_ids' (a list of token ids)")
-    if "prompt" in body:
-        if not isinstance(body["prompt"], str) or not body["prompt"]:
-            raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
-        prompt_ids = tokenizer.encode(body["prompt"])
-    else:
-        prompt_ids = token_ids(body["prompt_ids"], "prompt_ids", model_vocab(request.app))
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", param="stream")
-    fields = engine_fields(body, prompt_ids, tokenizer.eos_token_ids, "max_tokens",
-                           request.app[OPTIONS].default_max_tokens)
+    prepared = await prepared_request(request, "generate")
     supervisor = await ensure_serving(request.app)
-    if not stream:
-        result = await collect(supervisor, fields)
+    timeout = request_timeout(request.app)
+    if not prepared.stream:
+        result = await collect(supervisor, prepared.fields, timeout)
         return web.json_response({"text": result["text"], "token_ids": result["output_ids"],
                                   "finish_reason": result["finish_reason"], "usage": usage(result)})
-    sse = None
-    async for event in events(supervisor, fields):
-        if sse is None:
-            sse = await SSE(request).open()       # opened on the first event, so a rejection is still a 4xx
+
+    def render(event):
         if event[0] == "token":
-            await sse.send({"token": event[1], "text": event[2]})
-        else:
-            result = event[1]
-            await sse.send({"finish_reason": result["finish_reason"], "error": result.get("error"),
-                            "text": result.get("text"), "usage": usage(result) if "prompt_tokens" in result else None})
-    return await sse.close()
+            return [{"token": event[1], "text": event[2]}]
+        result = event[1]
+        return [{"finish_reason": result["finish_reason"], "error": None, "text": result["text"],
+                 "usage": usage(result)}]
+
+    def fail(err):
+        return [{"finish_reason": "error", "error": err.body()["error"], "text": err.extra["partial"]["text"],
+                 "usage": None}]
+
+    return await stream_response(request, events(supervisor, prepared.fields, timeout), render, fail)

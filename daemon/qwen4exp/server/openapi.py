@@ -23,7 +23,8 @@ def _post(summary: str, schema: dict, admin: bool = False) -> dict:
         "security": [{"admin": []}] if admin else [{"bearer": []}],
         "requestBody": {"required": not admin, "content": {"application/json": {"schema": schema}}},
         "responses": {"200": {"description": "the result (JSON, or text/event-stream when stream is true)"},
-                      "400": _ERROR, "401": _ERROR, "413": _ERROR, "429": _ERROR, "503": _ERROR}}}
+                      "400": _ERROR, "401": _ERROR, "408": _ERROR, "413": _ERROR, "429": _ERROR,
+                      "503": _ERROR}}}
 
 
 def _get(summary: str) -> dict:
@@ -41,7 +42,7 @@ def document() -> dict:
         "model": {"type": "string"}, "max_completion_tokens": {"type": "integer", "minimum": 1},
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"], "properties": {
-                "role": {"type": "string", "enum": ["system", "user", "assistant"]}, "content": {"type": "string"}}}},
+                "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]}, "content": {"type": "string"}}}},
         **_SAMPLING}}
     park = {"type": "object", "properties": {"mode": {"type": "string", "enum": ["wait", "abort"]}}}
     return {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..engine.sampling import SamplingParams
+from ..engine.sampling_params import SamplingParams
 from .errors import ApiError
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -22,6 +22,19 @@ def _int(body: dict, key: str, default=None, low: int = 0, high: int | None = No
     return value
 
 
+def plain_text(value, key: str, empty_ok: bool = False) -> str:
+    """A string a client wrote, checked to be valid Unicode: JSON's \\ud800 escapes can name a lone surrogate,
+    which no tokenizer (and no UTF-8 answer) can carry."""
+    if not isinstance(value, str) or not (value or empty_ok):
+        raise ApiError(400, f"'{key}' must be a {'' if empty_ok else 'non-empty '}string", param=key.split("[")[0])
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(400, f"'{key}' has a lone surrogate (U+{ord(value[err.start]):04X}) at character {err.start}: "
+                       "not valid Unicode", param=key.split("[")[0]) from None
+    return value
+
+
 def string_list(body: dict, key: str, limit: int = 16) -> list[str]:
     value = body.get(key)
     if value is None:
@@ -33,7 +46,7 @@ def string_list(body: dict, key: str, limit: int = 16) -> list[str]:
         raise ApiError(400, f"'{key}' has {len(value)} entries; at most {limit}", param=key)
     if any(not s for s in value):
         raise ApiError(400, f"'{key}' must not contain an empty string", param=key)
-    return value
+    return [plain_text(s, key) for s in value]
 
 
 def token_ids(value, key: str, vocab: int) -> list[int]:
@@ -74,5 +87,5 @@ def engine_fields(body: dict, prompt_ids: list[int], default_stop_ids: list[int]
 def check_known(body: dict, allowed: set[str], where: str) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise ApiError(400, f"unknown field(s) for {where}: {', '.join(unknown)}; accepted: {', '.join(sorted(allowed))}",
-                       param=unknown[0])
+        raise ApiError(400, f"unknown field(s) for {where}: {', '.join(unknown)}; accepted: "
+                       f"{', '.join(sorted(allowed))}", param=unknown[0])

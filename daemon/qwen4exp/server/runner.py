@@ -1,61 +1,138 @@
-"""Running one request through the supervisor: events in order, cancellation when the client goes away."""
+"""Running one request through the supervisor: events in order, a deadline, cancellation when the client goes
+away, and one rule for work the server gave up on.
+
+Every way a request can end without its answer is an ApiError the client sees, carrying what was generated:
+  - the engine was parked in "abort" mode, or stopped, or its worker died: 503 + Retry-After (send it again);
+  - `server.request_timeout` passed: 408 (the limit is the operator's; sending it again would time out again);
+  - the engine failed on the request: 500.
+A JSON answer carries it as its error; a stream that already began ends with an error event (see SSE users).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from .errors import ApiError
 from .supervisor import EngineUnavailable, Supervisor
 
+log = logging.getLogger("qwen4exp.server")
+RETRY_AFTER = {"Retry-After": "5"}
 
-def _reject(message: str) -> ApiError:
+
+@dataclass
+class Progress:
+    """What a request got so far, for the answer that reports why it ended early."""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+    def partial(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "completion_tokens": len(self.token_ids)}
+
+
+def _rejected(message: str) -> ApiError:
+    """The worker refused the request before it started."""
     if "queue is full" in message:
         return ApiError(429, message, "rate_limit_error", headers={"Retry-After": "1"})
-    if "parked" in message or "worker" in message:
-        return ApiError(503, message, "server_error", headers={"Retry-After": "5"})
+    if "parked" in message:
+        return ApiError(503, message, "server_error", headers=RETRY_AFTER)
     return ApiError(400, message)
 
 
-async def events(supervisor: Supervisor, fields: dict) -> AsyncIterator[tuple]:
-    """Yields ("token", id, text) events, then ends with the ("finish", result) event. A rejection before the
-    first token raises ApiError; a lost worker mid-stream ends with a finish of reason "error"."""
+def _given_up(status: int, message: str, progress: Progress, headers: dict | None = None) -> ApiError:
+    got = f"; {len(progress.token_ids)} tokens were generated before it ended" if progress.token_ids else ""
+    return ApiError(status, message + got, "server_error" if status >= 500 else "timeout_error", headers=headers,
+                    extra={"partial": progress.partial()})
+
+
+async def events(supervisor: Supervisor, fields: dict, timeout: float | None) -> AsyncIterator[tuple]:
+    """Yields ("token", id, text) events, then one ("finish", result) event. A request that cannot end with its
+    answer raises ApiError (see the module's docstring), before or after its first token."""
+    started = time.monotonic()
     try:
         stream = supervisor.submit(fields)
     except EngineUnavailable as err:
-        raise ApiError(503, str(err), "server_error", headers={"Retry-After": "5"}) from None
-    finished = False
+        raise ApiError(503, str(err), "server_error", headers=RETRY_AFTER) from None
+    progress, finished = Progress(), False
     try:
-        started = False
         while True:
-            event = await stream.queue.get()
-            if event[0] == "rejected":
-                finished = True
-                if not started:
-                    raise _reject(event[1])
-                yield ("finish", {"finish_reason": "error", "error": event[1]})
-                return
-            if event[0] == "finish":
-                finished = True
+            remaining = None if timeout is None else timeout - (time.monotonic() - started)
+            try:
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError
+                event = await asyncio.wait_for(stream.queue.get(), remaining)
+            except TimeoutError:
+                phase = "decoding" if progress.token_ids else "waiting for its first token"
+                raise _given_up(408, f"the request timed out after {timeout:g} s (server.request_timeout) while "
+                                f"{phase}", progress, {"x-should-retry": "false"}) from None
+            kind = event[0]
+            if kind == "token":
+                progress.token_ids.append(event[1])
+                progress.text += event[2]
                 yield event
-                return
-            started = True
+                continue
+            finished = True
+            if kind == "rejected":
+                raise _rejected(event[1])
+            if kind == "lost":
+                raise _given_up(503, event[1], progress, RETRY_AFTER)
+            result = event[1]
+            reason = result["finish_reason"]
+            if reason == "cancelled":
+                raise _given_up(503, "the request was cancelled before it finished (the engine was parked in "
+                                "'abort' mode or stopped); send it again", progress, RETRY_AFTER)
+            if reason == "error":
+                raise _given_up(500, f"the request failed in the engine: {result.get('error')}", progress)
             yield event
+            return
     finally:
-        if not finished:          # the client went away (or the handler was cancelled): free the slot
+        if not finished:          # the client went away, the deadline passed, or the handler was cancelled
             supervisor.cancel(stream)
 
 
-async def collect(supervisor: Supervisor, fields: dict) -> dict:
-    result = None
-    async for event in events(supervisor, fields):
-        if event[0] == "finish":
-            result = event[1]
-    if result.get("finish_reason") == "error" and result.get("error"):
-        raise ApiError(500, f"the request failed in the engine: {result['error']}", "server_error")
-    return result
+async def collect(supervisor: Supervisor, fields: dict, timeout: float | None) -> dict:
+    """The finish event's result; raises ApiError as events() does."""
+    async with contextlib.aclosing(events(supervisor, fields, timeout)) as stream:
+        async for event in stream:
+            if event[0] == "finish":
+                return event[1]
+    raise AssertionError("events() ends with a finish event or raises")
+
+
+async def stream_response(request: web.Request, stream: AsyncIterator[tuple], render, fail,
+                          closing: tuple = ()) -> web.StreamResponse:
+    """Serve `stream`'s events as SSE: `render(event)` and `fail(err)` give the payloads to send for an event and
+    for a request given up on after the stream began; `closing` is sent after either. The response opens on the
+    first event, so a request refused before it still gets a plain JSON error with its status. A client that goes
+    away is an ordinary end: one INFO line, its request cancelled."""
+    sse = SSE(request)
+    async with contextlib.aclosing(stream):
+        try:
+            try:
+                async for event in stream:
+                    if not sse.response.prepared:
+                        await sse.open()
+                    for payload in render(event):
+                        await sse.send(payload)
+            except ApiError as err:
+                if not sse.response.prepared:
+                    raise
+                for payload in fail(err):
+                    await sse.send(payload)
+            for payload in closing:
+                await sse.send(payload)
+        except ConnectionError:
+            log.info("the client of %s %s went away mid-stream; its request is cancelled", request.method,
+                     request.path)
+            return sse.response
+    return await sse.close()
 
 
 class SSE:
@@ -76,4 +153,3 @@ class SSE:
     async def close(self) -> web.StreamResponse:
         await self.response.write_eof()
         return self.response
-

@@ -8,11 +8,22 @@ import signal
 
 from aiohttp import web
 
-from .app import SUPERVISOR, ServerOptions, create_app
+from .app import GUARD, SUPERVISOR, ServerOptions, create_app
+from .connections import GuardedSite
 from .options import EngineOptions
 from .sd_notify import Notifier
 
 log = logging.getLogger("qwen4exp.server")
+
+
+async def start_app(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Start the engine worker (the app's cleanup_ctx) and wait for it, then listen on host:port."""
+    # handler_cancellation: a client that goes away cancels its handler, and with it its request in the engine,
+    # whether it was streaming, waiting for a JSON answer or still queued.
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await GuardedSite(runner, app[GUARD], host, port).start()
+    return runner
 
 
 async def serve(engine_options: EngineOptions, options: ServerOptions, host: str, port: int,
@@ -20,10 +31,7 @@ async def serve(engine_options: EngineOptions, options: ServerOptions, host: str
     notifier = Notifier()
     notifier.notify(STATUS=f"loading {engine_options.model}")
     app = create_app(engine_options, options)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
-    await runner.setup()                     # starts the engine worker (cleanup_ctx) and waits for it
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    runner = await start_app(app, host, port)
     supervisor = app[SUPERVISOR]
     log.info("serving %s on http://%s:%d (engine %s, context %s)", engine_options.model, host, port,
              supervisor.state, supervisor.fitted_context)

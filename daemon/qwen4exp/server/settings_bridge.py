@@ -34,4 +34,6 @@ def server_options(settings) -> ServerOptions:
     name = settings.model if settings.model == "tiny" else settings.model.rstrip("/").rsplit("/", 1)[-1]
     return ServerOptions(model_name=name, api_key=secret(server.api_key), admin_key=secret(server.admin_key),
                          max_body_bytes=server.max_body_bytes, wake_on_request=settings.wake_on_request,
-                         park_after_idle=settings.park_after_idle)
+                         park_after_idle=settings.park_after_idle, request_timeout=server.request_timeout,
+                         header_timeout=server.header_timeout, body_timeout=server.body_timeout,
+                         max_connections=server.max_connections)

@@ -1,8 +1,11 @@
-"""The daemon's handle on the engine worker: start it, talk to it, and bring it back if it dies.
+"""The daemon's handle on the engine worker: start it, talk to it, park it, and bring it back if it dies.
 
-Runs inside the aiohttp event loop. A reader thread turns the worker's messages into calls on the loop.
-If the worker dies, every request in flight fails with a clear error, /health says so, and a new worker
-starts at the same fitted context (no new fit).
+Runs inside the aiohttp event loop. A reader thread turns the worker's messages into calls on the loop, and one
+sender thread writes to the worker's pipe in the order the loop asked (a large prompt's message would block the
+loop while the pipe drains; one thread keeps a cancel behind the submit it cancels).
+If the worker dies while serving, every request in flight fails with a clear error, /health says so, and a new
+worker starts at the same fitted context (no new fit). If it dies while parked, the daemon stays parked (the
+operator gave the GPU away) and the next unpark starts a worker at the same context.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import multiprocessing
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .options import EngineOptions
@@ -36,7 +40,7 @@ class Stream:
 class Supervisor:
     def __init__(self, options: EngineOptions, restart_delay: float = 1.0):
         self.options = options
-        self.state = "loading"           # loading | ready | parked | error
+        self.state = "loading"           # loading | ready | parking | parked | error
         self.error: str | None = None
         self.info: dict = {}
         self.fitted_context: int | None = None
@@ -53,7 +57,8 @@ class Supervisor:
         self._process = self._conn = None
         self._stopping = False
         self._restart_delay = restart_delay
-        self._send_lock = threading.Lock()
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen4exp-send")
+        self._transition = asyncio.Lock()      # one park or unpark at a time
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -78,17 +83,26 @@ class Supervisor:
         if self._process is not None and self._process.is_alive():
             try:
                 self._send("stop")
-            except (OSError, EngineUnavailable):
+            except EngineUnavailable:
                 pass
             await asyncio.get_running_loop().run_in_executor(None, self._process.join, 10)
             if self._process.is_alive():
                 self._process.kill()
+        self._sender.shutdown(wait=False)
 
     def _send(self, *message) -> None:
-        if self._conn is None:
+        """Queue a message for the worker; the sender thread writes it after every message queued before."""
+        conn = self._conn
+        if conn is None:
             raise EngineUnavailable("the engine worker is not running")
-        with self._send_lock:
-            self._conn.send(message)
+        self._sender.submit(self._write, conn, message)
+
+    @staticmethod
+    def _write(conn, message: tuple) -> None:
+        try:
+            conn.send(message)
+        except OSError:
+            pass          # the worker is gone: the reader thread reports its death and fails what was in flight
 
     # ---- the reader thread ------------------------------------------------------------------------
     def _read(self, conn, process) -> None:
@@ -138,8 +152,10 @@ class Supervisor:
             return
         self._conn = None
         reason = f"the engine worker exited unexpectedly (exit code {exitcode})"
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)      # it died while loading: whoever waits for it gets an answer
         for stream in self._streams.values():
-            stream.queue.put_nowait(("rejected", f"{reason}; the request was lost and can be sent again"))
+            stream.queue.put_nowait(("lost", f"{reason}; the request was lost and can be sent again"))
         self._streams.clear()
         for future in (f for waiters in self._replies.values() for f in waiters):
             if not future.done():
@@ -147,6 +163,12 @@ class Supervisor:
         self._replies.clear()
         if self.state == "error" and self.fitted_context is None:
             return                       # it never came up: do not loop on a broken configuration
+        if self.state in ("parked", "parking"):
+            # The GPU was given away: a new worker would take it back. The next unpark starts one.
+            log.warning("%s while parked; it starts again at the next unpark (context %s)", reason,
+                        self.fitted_context)
+            self.state = "parked"
+            return
         log.error("%s; restarting it at context %s", reason, self.fitted_context)
         self.state, self.error = "error", reason
         self.restarts += 1
@@ -181,15 +203,52 @@ class Supervisor:
             return {}
         return await self._call("stats", "stats", timeout=10)
 
-    async def park(self) -> dict:
-        info = await self._call("park", "parked")
-        self.state = "parked"
-        return info
+    async def park(self, mode: str = "wait") -> dict:
+        """Free the GPU: "wait" lets the requests in flight finish (new ones get 503 meanwhile), "abort" cancels
+        them. Runs to its end even if the caller goes away, so the state always says what the worker did."""
+        return await asyncio.shield(asyncio.ensure_future(self._park(mode)))
+
+    async def _park(self, mode: str) -> dict:
+        async with self._transition:
+            if self.state == "parked":
+                return {"already": True, "bytes_freed": 0, "context": self.fitted_context}
+            if self.state != "ready":
+                raise EngineUnavailable(f"the engine is {self.state}; it cannot be parked now")
+            self.state = "parking"
+            try:
+                while mode == "wait" and self._streams and self._conn is not None:
+                    await asyncio.sleep(0.02)
+                info = await self._call("park", "parked")
+            except EngineUnavailable:
+                if self._conn is not None:
+                    raise
+                # The worker died on the way: nothing holds the GPU, which is what a park is for.
+                info = {"bytes_freed": None, "context": self.fitted_context}
+            except BaseException:
+                if self.state == "parking":
+                    self.state = "ready"
+                raise
+            self.state = "parked"
+            return info
 
     async def unpark(self) -> dict:
-        info = await self._call("unpark", "unparked")
-        self.state = "ready"
-        return info
+        """Serve again at the fitted context; a worker that died while parked is started anew."""
+        return await asyncio.shield(asyncio.ensure_future(self._unpark()))
+
+    async def _unpark(self) -> dict:
+        async with self._transition:
+            if self.state == "ready":
+                return {"already": True, "context": self.fitted_context}
+            if self.state != "parked":
+                raise EngineUnavailable(f"the engine is {self.state}; nothing to unpark")
+            if self._conn is None:
+                await self._spawn()
+                if self.state != "ready":
+                    raise EngineUnavailable(f"the engine worker did not start: {self.error}")
+                return {"context": self.fitted_context, "restarted": True}
+            info = await self._call("unpark", "unparked")
+            self.state = "ready"
+            return info
 
     def kill_worker(self) -> None:
         """For tests and operators: end the worker abruptly (as a crash would)."""

@@ -105,7 +105,7 @@ class Worker:
             return
         try:
             request = Request(
-                prompt_ids=fields["prompt_ids"], max_tokens=fields["max_tokens"],
+                prompt_ids=list(fields["prompt_ids"]), max_tokens=fields["max_tokens"],
                 sampling=SamplingParams.from_dict(fields.get("sampling", {})),
                 stop_token_ids=tuple(fields.get("stop_token_ids", ())), stop=tuple(fields.get("stop", ())),
                 on_token=lambda r, token, text: self.send("token", r.id, token, text),

@@ -1,0 +1,219 @@
+"""From a request body to what the engine runs, in a few processes beside the event loop.
+
+Parsing a body, checking its fields, rendering a chat and tokenizing a prompt can take seconds for a client's
+8 MB body; in the event loop's process even a thread would stall /health, since json.loads and the tokenizer's
+list of ids hold the GIL for over 100 ms on such bodies. So each body is prepared in a small process pool (no
+torch there: the tokenizer and the field rules only), and what comes back is small: the engine's fields, the
+prompt's ids as one typed array.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+from array import array
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+
+from .errors import ApiError, parse_json
+from .request_fields import SAMPLING_FIELDS, check_known, engine_fields, plain_text, token_ids
+
+log = logging.getLogger("qwen4exp.server")
+
+GENERATE_FIELDS = {"prompt", "prompt_ids", "max_tokens", "stream", "stop", "stop_token_ids", "ignore_eos",
+                   *SAMPLING_FIELDS}
+# Fields OpenAI clients send that change nothing here are accepted; the rest is refused by name.
+OPENAI_COMMON = {"model", "max_tokens", "stream", "stop", "user", "n", "stream_options", "logprobs", "ignore_eos",
+                 "stop_token_ids", *SAMPLING_FIELDS}
+COMPLETION_FIELDS = OPENAI_COMMON | {"prompt", "echo", "suffix", "best_of"}
+CHAT_FIELDS = OPENAI_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
+PATHS = {"generate": "/generate", "completion": "/v1/completions", "chat": "/v1/chat/completions"}
+MESSAGE_KEYS = {"role", "content", "name", "tool_call_id"}
+# OpenAI's `developer` role is the system message of newer models; templates know `system`.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for the engine: its fields (prompt ids as array('q')) and how to answer it."""
+    fields: dict
+    stream: bool = False
+    include_usage: bool = False
+
+
+# ---- in the pool's processes -----------------------------------------------------------------------
+_TOKENIZER = None
+_DEFAULT_MAX_TOKENS = 256
+
+
+def _start(model_dir: str, default_max_tokens: int) -> None:
+    global _TOKENIZER, _DEFAULT_MAX_TOKENS
+    from ..tokenizer import Tokenizer
+    _TOKENIZER, _DEFAULT_MAX_TOKENS = Tokenizer.from_dir(model_dir), default_max_tokens
+
+
+def prepare_body(endpoint: str, raw: bytes, context: int | None, tokenizer=None,
+                 default_max_tokens: int | None = None) -> Prepared:
+    """`raw` as the engine's request for `endpoint` ("generate", "completion" or "chat"), or ApiError(400) naming
+    the field. `context` (when known) refuses a prompt that cannot fit before its ids leave this process."""
+    tokenizer = tokenizer or _TOKENIZER
+    default = default_max_tokens or _DEFAULT_MAX_TOKENS
+    body = parse_json(raw)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    if endpoint == "generate":
+        check_known(body, GENERATE_FIELDS, "/generate")
+        prompt_ids, key, include_usage = _generate_prompt(body, tokenizer), "max_tokens", False
+    else:
+        check_known(body, CHAT_FIELDS if endpoint == "chat" else COMPLETION_FIELDS, PATHS[endpoint])
+        _check_unsupported(body)
+        include_usage = _include_usage(body)
+        if endpoint == "chat":
+            prompt_ids = tokenizer.encode_chat(_messages(body), add_generation_prompt=True)
+            key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        else:
+            prompt_ids, key = _completion_prompt(body, tokenizer), "max_tokens"
+    fields = engine_fields(body, prompt_ids, tokenizer.eos_token_ids, key, default)
+    n, wanted = len(prompt_ids), fields["max_tokens"]
+    if context is not None and n + wanted > context:
+        raise ApiError(400, f"prompt of {n} tokens + {key} {wanted} = {n + wanted} exceeds the context of {context} "
+                       "tokens", param=key)
+    fields["prompt_ids"] = array("q", prompt_ids)
+    return Prepared(fields, stream, include_usage)
+
+
+def _generate_prompt(body: dict, tokenizer) -> list[int]:
+    if ("prompt" in body) == ("prompt_ids" in body):
+        raise ApiError(400, "give exactly one of 'prompt' (text) or 'prompt_ids' (a list of token ids)")
+    if "prompt" in body:
+        return tokenizer.encode(plain_text(body["prompt"], "prompt"))
+    return token_ids(body["prompt_ids"], "prompt_ids", tokenizer.vocab_size)
+
+
+def _completion_prompt(body: dict, tokenizer) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return token_ids(prompt, "prompt", tokenizer.vocab_size)
+    if not isinstance(prompt, str):
+        raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", param="prompt")
+    return tokenizer.encode(plain_text(prompt, "prompt"))
+
+
+def _check_unsupported(body: dict) -> None:
+    if body.get("n", 1) != 1:
+        raise ApiError(400, "only n = 1 is supported", param="n")
+    if body.get("logprobs") not in (None, False, 0):
+        raise ApiError(400, "logprobs are not supported", param="logprobs")
+    if body.get("top_logprobs") is not None:
+        raise ApiError(400, "top_logprobs is not supported (logprobs are not returned)", param="top_logprobs")
+    for key in ("echo", "suffix"):
+        if body.get(key):
+            raise ApiError(400, f"'{key}' is not supported", param=key)
+    if body.get("best_of", 1) not in (None, 1):
+        raise ApiError(400, "only best_of = 1 is supported", param="best_of")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise ApiError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise ApiError(400, f"'stream_options' must be an object, got {type(options).__name__}",
+                       param="stream_options")
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise ApiError(400, f"unknown field(s) in 'stream_options': {', '.join(unknown)}; accepted: include_usage",
+                       param="stream_options")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
+    return include
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    clean = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where} must be an object", param="messages")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
+        unknown = sorted(set(m) - MESSAGE_KEYS)
+        if unknown:
+            hint = " (tool calls are not supported yet)" if "tool_calls" in unknown else ""
+            raise ApiError(400, f"{where} has unknown key(s) {', '.join(unknown)}{hint}; accepted: "
+                           f"{', '.join(sorted(MESSAGE_KEYS))}", param="messages")
+        clean.append({"role": ROLES[role], "content": _content(m.get("content"), role, where)})
+    return clean
+
+
+def _content(content, role: str, where: str) -> str:
+    """A message's text: a string, or OpenAI's list of parts (text parts only); null for an assistant turn."""
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{where}.content[{j}] must be a text part {{\"type\": \"text\", \"text\": "
+                               "\"...\"}} (this model reads text only)", param="messages")
+            parts.append(plain_text(part["text"], f"{where}.content[{j}].text", empty_ok=True))
+        return "".join(parts)
+    if not isinstance(content, str):
+        raise ApiError(400, f"{where}.content must be a string or a list of text parts", param="messages")
+    return plain_text(content, f"{where}.content", empty_ok=True)
+
+
+# ---- in the event loop's process --------------------------------------------------------------------
+class Preparer:
+    """The pool: `await prepare(endpoint, raw, context)` -> Prepared, or ApiError."""
+
+    def __init__(self, model_dir: str, default_max_tokens: int, workers: int = 2):
+        self._args, self._workers = (model_dir, default_max_tokens), workers
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(self._workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_start, initargs=self._args)
+
+    async def start(self) -> None:
+        """Start the processes now, so the first request does not wait for them."""
+        self._pool = self._new_pool()
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self._pool, _ready) for _ in range(self._workers)))
+
+    async def prepare(self, endpoint: str, raw: bytes, context: int | None) -> Prepared:
+        loop = asyncio.get_running_loop()
+        for attempt in (1, 2):
+            if self._pool is None:
+                self._pool = self._new_pool()
+            pool = self._pool
+            try:
+                return await loop.run_in_executor(pool, prepare_body, endpoint, raw, context)
+            except BrokenProcessPool:
+                # A process of the pool died (killed, out of memory): start a new pool, try the body once more.
+                log.error("a request-preparation process died; starting new ones")
+                if self._pool is pool:
+                    self._pool = None
+                pool.shutdown(wait=False, cancel_futures=True)
+        raise ApiError(503, "the request could not be prepared: the preparing processes died twice",
+                       "server_error", headers={"Retry-After": "5"})
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def _ready() -> bool:
+    return _TOKENIZER is not None

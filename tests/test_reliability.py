@@ -1,0 +1,294 @@
+"""The daemon under hostile clients and faults (issue 16): clients that leave, requests that run too long, a worker
+that dies while parked, large bodies, bodies that used to make 500s, connections that never finish their headers.
+A real server on loopback with the tiny model in a real worker process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+
+import pytest
+
+from live_server import ADMIN_KEY, API_KEY, Server
+
+CONTEXT = 512
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    s = Server(tiny_checkpoint, context=CONTEXT, request_timeout=2.0, header_timeout=1.0, body_timeout=1.0,
+               max_body_bytes=8 << 20, max_connections=40)
+    yield s
+    s.close()
+
+
+def _raw_post(server, path: str, body: dict, key: str = API_KEY) -> socket.socket:
+    """A POST sent on a plain socket, so the test can drop the connection whenever it likes."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: Bearer {key}"
+                 f"\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def _wait(condition, timeout: float, what: str) -> float:
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def _stats(server) -> dict:
+    return server.request("GET", "/props")[1]
+
+
+def _sse(text: str) -> list:
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+LONG = {"prompt_ids": [7] * 20, "max_tokens": 480, "ignore_eos": True}
+
+
+def test_a_json_client_that_leaves_frees_its_slot_within_a_step(server):
+    sock = _raw_post(server, "/generate", LONG)
+    _wait(lambda: _stats(server)["busy_slots"] == 1, 10, "the request took a slot")
+    sock.close()
+    # 480 tokens would take seconds; the cancel lands at the next engine step.
+    _wait(lambda: server.supervisor.in_flight == 0 and _stats(server)["busy_slots"] == 0, 1.0, "the slot is free")
+
+
+def test_a_stream_dropped_while_queued_leaves_the_queue(server):
+    holders = [_raw_post(server, "/generate", LONG) for _ in range(2)]          # both slots busy
+    _wait(lambda: _stats(server)["busy_slots"] == 2, 10, "both slots busy")
+    queued = _raw_post(server, "/generate", LONG | {"stream": True})
+    _wait(lambda: _stats(server)["queued"] == 1, 5, "the stream is queued")
+    queued.close()
+    _wait(lambda: _stats(server)["queued"] == 0, 1.0, "the dropped stream left the queue")
+    assert _stats(server)["busy_slots"] == 2                                     # the others run on
+    for sock in holders:
+        sock.close()
+    _wait(lambda: server.supervisor.in_flight == 0, 2, "all cancelled")
+
+
+def test_request_timeout_answers_408_with_what_was_generated_and_frees_the_slot(server):
+    started = time.monotonic()
+    status, body, response = server.request("POST", "/generate", LONG)
+    assert 2.0 <= time.monotonic() - started < 4.0
+    assert status == 408 and response.getheader("x-should-retry") == "false", body
+    error = body["error"]
+    assert error["type"] == "timeout_error" and error["code"] == 408 and "server.request_timeout" in error["message"]
+    partial = error["partial"]
+    assert 0 < partial["completion_tokens"] == len(partial["token_ids"]) < 480
+    assert f"{partial['completion_tokens']} tokens were generated" in error["message"]
+    _wait(lambda: server.supervisor.in_flight == 0 and _stats(server)["busy_slots"] == 0, 1.0, "slot freed")
+
+
+def test_a_request_that_never_gets_a_token_times_out_and_is_cancelled():
+    """The deadline counts from submission: a request still queued when it passes is cancelled in the engine."""
+    import asyncio
+
+    from qwen4exp.server.errors import ApiError
+    from qwen4exp.server.runner import collect
+    from qwen4exp.server.supervisor import Stream
+
+    class Queued:                     # a supervisor whose engine never starts the request
+        cancelled = []
+
+        def submit(self, fields):
+            return Stream("r1")
+
+        def cancel(self, stream):
+            self.cancelled.append(stream.id)
+
+    supervisor = Queued()
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(collect(supervisor, {}, timeout=0.2))
+    assert caught.value.status == 408 and "waiting for its first token" in caught.value.message
+    assert caught.value.extra["partial"]["completion_tokens"] == 0 and supervisor.cancelled == ["r1"]
+
+
+def test_streams_past_the_timeout_end_with_an_error_event_and_a_known_finish_reason(server):
+    status, text, _ = server.request("POST", "/v1/completions", {"prompt": "In", "max_tokens": 480,
+                                                                 "ignore_eos": True, "stream": True})
+    events = _sse(text)
+    assert status == 200 and events[-1] == "[DONE]"
+    error, last = json.loads(events[-3]), json.loads(events[-2])
+    assert error["error"]["type"] == "timeout_error" and error["error"]["code"] == 408
+    assert last["choices"][0]["finish_reason"] == "length"           # a reason OpenAI clients parse
+    status, text, _ = server.request("POST", "/generate", LONG | {"stream": True})
+    last = json.loads(_sse(text)[-1])
+    assert last["finish_reason"] == "error" and last["error"]["type"] == "timeout_error"
+    assert last["text"] == "".join(json.loads(e)["text"] for e in _sse(text)[:-1])
+
+
+def test_openai_client_raises_on_a_stream_the_server_gave_up_on(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.APIError, match="timed out"):
+        for _ in client.completions.create(model="tiny", prompt="In", max_tokens=480, stream=True,
+                                           extra_body={"ignore_eos": True}):
+            pass
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model="tiny", prompt="In", max_tokens=480, extra_body={"ignore_eos": True})
+    assert caught.value.status_code == 408
+
+
+def test_a_park_in_abort_mode_is_a_503_for_json_and_an_error_event_for_streams(server):
+    results = {}
+
+    def send(name, body, path="/generate"):
+        results[name] = server.request("POST", path, body)
+    threads = [threading.Thread(target=send, args=("json", LONG)),
+               threading.Thread(target=send, args=("stream", {"prompt": "In", "max_tokens": 480, "stream": True,
+                                                             "ignore_eos": True}, "/v1/completions"))]
+    for t in threads:
+        t.start()
+    _wait(lambda: server.supervisor.in_flight == 2 and _stats(server)["busy_slots"] == 2, 10, "both running")
+    time.sleep(0.2)
+    assert server.request("POST", "/park", {"mode": "abort"}, key=ADMIN_KEY)[0] == 200
+    for t in threads:
+        t.join(10)
+    status, body, response = results["json"]
+    assert status == 503 and response.getheader("Retry-After") and body["error"]["type"] == "server_error"
+    events = _sse(results["stream"][1])
+    assert json.loads(events[-3])["error"]["code"] == 503 and events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert server.request("POST", "/unpark", {}, key=ADMIN_KEY)[0] == 200
+
+
+def test_a_worker_that_dies_while_parked_stays_parked_until_unpark(server):
+    assert server.request("POST", "/park", {}, key=ADMIN_KEY)[0] == 200
+    server.supervisor.kill_worker()
+    time.sleep(2.5)                                  # past the restart delay: nothing may take the GPU back
+    status, health, _ = server.request("GET", "/health", key=None)
+    assert status == 503 and health["status"] == "parked"
+    assert server.request("POST", "/generate", {"prompt": "a", "max_tokens": 2})[0] == 503
+    status, body, _ = server.request("POST", "/unpark", {}, key=ADMIN_KEY)
+    assert status == 200 and body["context"] == CONTEXT, body
+    assert server.request("POST", "/generate", {"prompt": "back", "max_tokens": 2})[0] == 200
+
+
+def test_health_answers_while_large_bodies_are_prepared(server):
+    """A 7.8 MB prompt and a 100k-message chat are parsed, rendered and tokenized off the event loop."""
+    bodies = [("/generate", {"prompt": "In the beginning God created " * 270000, "max_tokens": 1}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 100000,
+                                        "max_tokens": 1})] * 2
+    results = []
+    threads = [threading.Thread(target=lambda p=p, b=b: results.append(server.request("POST", p, b)))
+               for p, b in bodies]
+    for t in threads:
+        t.start()
+    slowest = 0.0
+    while any(t.is_alive() for t in threads):
+        started = time.monotonic()
+        assert server.request("GET", "/health", key=None)[0] == 200
+        slowest = max(slowest, time.monotonic() - started)
+        time.sleep(0.02)
+    assert len(results) == 4 and all(r[0] == 400 and "exceeds the context" in r[1]["error"]["message"]
+                                     for r in results), [r[:2] for r in results]
+    assert slowest < 1.0, f"/health took {slowest:.2f} s while bodies were prepared"
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stream_options": "yes"},
+     "stream_options", "'stream_options' must be an object"),
+    ("/generate", {"prompt": "a\ud800b"}, "prompt", "lone surrogate (U+D800) at character 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x\udfff"}]}, "messages",
+     "'messages[0].content' has a lone surrogate"),
+    ("/generate", {"prompt": "a", "stop": ["\ud800"]}, "stop", "lone surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs",
+     "top_logprobs is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "a"}]}, "messages",
+     "messages[0].role must be one of"),
+])
+def test_bodies_that_made_500s_get_400s_naming_the_field(server, path, body, param, message):
+    raw = json.dumps(body).encode()          # json.dumps writes lone surrogates as \ud800 escapes
+    status, answer, _ = server.request("POST", path, raw=raw)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and answer["error"]["type"] == "invalid_request_error"
+    assert message in answer["error"]["message"], answer
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", "nested too deeply"),
+    (b'{"max_tokens": ' + b"9" * 50000 + b"}", "a number that cannot be read"),
+])
+def test_hostile_json_gets_a_400(server, raw, message):
+    status, answer, _ = server.request("POST", "/generate", raw=raw)
+    assert status == 400 and message in answer["error"]["message"], answer
+
+
+def test_developer_and_tool_messages_are_served(server):
+    messages = [{"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "What is 6*7?"},
+                {"role": "assistant", "content": None}, {"role": "tool", "content": "42", "tool_call_id": "c1"},
+                {"role": "user", "content": [{"type": "text", "text": "So?"}]}]
+    status, body, _ = server.request("POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 3})
+    assert status == 200 and body["choices"][0]["finish_reason"] in ("length", "stop"), body
+
+
+def test_authorization_scheme_is_case_insensitive_and_odd_headers_get_401(server):
+    assert server.request("POST", "/generate", {"prompt": "a", "max_tokens": 1},
+                          key=None, headers={"Authorization": f"bearer {API_KEY}"})[0] == 200
+    status, body, _ = server.request("POST", "/generate", {"prompt": "a", "max_tokens": 1}, key=None,
+                                     headers={"Authorization": "Bearer clé-été".encode().decode("latin-1")})
+    assert status == 401 and body["error"]["type"] == "authentication_error"
+
+
+def test_props_shows_the_model_path_to_the_admin_key_only(server):
+    assert "model_path" not in server.request("GET", "/props", key=None)[1]
+    assert "model_path" not in server.request("GET", "/props", key=API_KEY)[1]
+    assert server.request("GET", "/props", key=ADMIN_KEY)[1]["model_path"].endswith("ckpt")
+
+
+def test_connections_that_never_finish_their_headers_are_closed(server):
+    slow = []
+    for _ in range(20):
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")                # and never the rest
+        slow.append(sock)
+    assert server.request("POST", "/generate", {"prompt": "a", "max_tokens": 1})[0] == 200   # others are served
+    for sock in slow:
+        sock.settimeout(5)
+        assert sock.recv(1024) == b""              # closed by the server after the 1 s header timeout
+        sock.close()
+
+
+def test_a_body_that_never_arrives_gets_408(server):
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                 "Content-Length: 100\r\n\r\n{\"prompt\"".encode())
+    sock.settimeout(5)
+    answer = sock.recv(4096)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 408") and b"server.body_timeout" in answer
+
+
+def test_past_max_connections_new_ones_get_503_and_are_closed(server):
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(40)]
+    time.sleep(0.1)
+    extra = socket.create_connection(("127.0.0.1", server.port))
+    extra.settimeout(5)
+    answer = extra.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer and b"too many open connections" in answer
+    for sock in held + [extra]:
+        sock.close()
+    _wait(lambda: server.request("GET", "/health", key=None)[0] == 200, 5, "serving again")
+
+
+def test_a_client_leaving_mid_stream_is_one_info_line(server, caplog):
+    caplog.set_level(logging.INFO, logger="qwen4exp")
+    sock = _raw_post(server, "/generate", LONG | {"stream": True})
+    received = b""
+    while received.count(b"data:") < 2:
+        received += sock.recv(4096)
+    sock.close()
+    _wait(lambda: server.supervisor.in_flight == 0, 2, "cancelled")
+    time.sleep(0.3)
+    server_records = [r for r in caplog.records if r.name.startswith("qwen4exp.server") or r.name.startswith("aiohttp")]
+    assert not [r for r in server_records if r.levelno >= logging.WARNING], \
+        [(r.name, r.getMessage()) for r in server_records]
