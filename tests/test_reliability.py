@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -256,6 +257,8 @@ def test_connections_that_never_finish_their_headers_are_closed(server):
         sock.settimeout(5)
         assert sock.recv(1024) == b""              # closed by the server after the 1 s header timeout
         sock.close()
+    metrics = server.request("GET", "/metrics", key=None)[1]
+    assert int(re.search(r"^qwen4exp_connections_closed_slow_total (\d+)", metrics, re.M).group(1)) >= 20
 
 
 def test_a_body_that_never_arrives_gets_408(server):
@@ -278,6 +281,8 @@ def test_past_max_connections_new_ones_get_503_and_are_closed(server):
     for sock in held + [extra]:
         sock.close()
     _wait(lambda: server.request("GET", "/health", key=None)[0] == 200, 5, "serving again")
+    metrics = server.request("GET", "/metrics", key=None)[1]
+    assert int(re.search(r"^qwen4exp_connections_refused_total (\d+)", metrics, re.M).group(1)) >= 1
 
 
 def test_a_client_leaving_mid_stream_is_one_info_line(server, caplog):

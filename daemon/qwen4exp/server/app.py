@@ -135,8 +135,8 @@ async def props(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     supervisor = request.app[SUPERVISOR]
     stats = await supervisor.stats()
-    return web.Response(text=render_metrics(supervisor, stats), content_type="text/plain", charset="utf-8",
-                        headers={"X-Content-Type-Options": "nosniff"})
+    return web.Response(text=render_metrics(supervisor, stats, request.app[GUARD]), content_type="text/plain",
+                        charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
 
 
 async def park(request: web.Request) -> web.Response:

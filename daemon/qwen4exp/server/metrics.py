@@ -7,7 +7,7 @@ def _line(name: str, value, help_text: str, kind: str = "gauge") -> str:
     return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n{name} {value}\n"
 
 
-def render_metrics(supervisor, stats: dict) -> str:
+def render_metrics(supervisor, stats: dict, guard) -> str:
     state = supervisor.state
     out = [
         _line("qwen4exp_up", int(state == "ready"), "1 when the engine serves requests"),
@@ -24,6 +24,12 @@ def render_metrics(supervisor, stats: dict) -> str:
         _line("qwen4exp_prompt_tokens_total", c["prompt_tokens"], "prompt tokens of finished requests", "counter"),
         _line("qwen4exp_cached_prompt_tokens_total", c["cached_prompt_tokens"],
               "prompt tokens restored from prefix snapshots instead of prefilled", "counter"),
+    ]
+    out += [
+        _line("qwen4exp_connections_closed_slow_total", guard.closed_slow,
+              "connections closed for not sending their headers within server.header_timeout", "counter"),
+        _line("qwen4exp_connections_refused_total", guard.refused,
+              "connections refused past server.max_connections", "counter"),
     ]
     memory = stats.get("memory") or {}
     if "rss_bytes" in memory:

@@ -221,6 +221,7 @@ class Supervisor:
                 info = await self._call("park", "parked")
             except EngineUnavailable:
                 if self._conn is not None:
+                    self.state = "ready"
                     raise
                 # The worker died on the way: nothing holds the GPU, which is what a park is for.
                 info = {"bytes_freed": None, "context": self.fitted_context}
