@@ -12,6 +12,7 @@ from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.request import FinishReason, QueueFull, Request, RequestRejected
 from qwen4exp.engine.sampling import SamplingParams
 from qwen4exp.tokenizer import Tokenizer
+from logits_record import assert_same_logits, record_logits
 from staggered import run_staggered
 
 SLOTS, CONTEXT, CHUNK = 4, 512, 32
@@ -42,24 +43,46 @@ def _spec(rng: random.Random):
     }
 
 
-def _alone(model, spec) -> list[int]:
+def _alone(model, spec) -> Request:
     engine = _engine(model)
     request = engine.submit(Request(**spec))
     engine.run_until_idle()
     assert request.finish_reason is FinishReason.LENGTH
-    return request.output_ids
+    return request
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_alone_equals_together_bitwise(model, seed):
+def test_alone_equals_together_bit_for_bit(model, seed, monkeypatch):
     """Requests that start at other times, with other prompt lengths, greedy and seeded sampling, queueing
-    behind full slots: each one's tokens are exactly those it gets alone."""
+    behind full slots, prefilling beside neighbours that decode: every logits row each one's tokens come from
+    is, bit for bit, the row it gets alone."""
+    record_logits(monkeypatch)
     rng = random.Random(seed)
     specs = [_spec(rng) for _ in range(7)]
     starts = sorted(rng.randint(0, 25) for _ in specs)
     requests = run_staggered(_engine(model), specs, starts)
     for spec, request in zip(specs, requests):
-        assert request.output_ids == _alone(model, spec), f"request with a {len(spec['prompt_ids'])}-token prompt"
+        assert_same_logits(request, _alone(model, spec), f"request with a {len(spec['prompt_ids'])}-token prompt")
+
+
+def test_admission_is_first_in_first_out(model):
+    engine = _engine(model, slots=1)
+    requests = [engine.submit(Request(prompt_ids=[3 + i] * 5, max_tokens=2)) for i in range(4)]
+    engine.run_until_idle()
+    started = [r.started_at for r in requests]
+    assert started == sorted(started) and len(set(started)) == 4
+
+
+def test_prompts_prefill_in_turn_one_chunk_each(model):
+    """Two long prompts in two slots take one chunk per step in turn, whichever arrived first."""
+    engine = _engine(model, slots=2)
+    engine.submit(Request(prompt_ids=[5] * (4 * CHUNK), max_tokens=1))
+    engine.submit(Request(prompt_ids=[6] * (4 * CHUNK), max_tokens=1))
+    progress = []
+    for _ in range(4):
+        engine.step()
+        progress.append(tuple(s.prefilled for s in engine.pool.slots))
+    assert progress == [(CHUNK, 0), (CHUNK, CHUNK), (2 * CHUNK, CHUNK), (2 * CHUNK, 2 * CHUNK)]
 
 
 def test_a_request_does_not_depend_on_its_slot(model):
@@ -69,7 +92,7 @@ def test_a_request_does_not_depend_on_its_slot(model):
     target = engine.submit(Request(**spec))
     engine.run_until_idle()
     assert all(f.finished for f in fillers)
-    assert target.output_ids == _alone(model, spec)
+    assert target.output_ids == _alone(model, spec).output_ids
 
 
 def test_cancel_queued_request(model):
@@ -145,7 +168,7 @@ def test_an_engine_error_fails_that_request_only(model, monkeypatch, sampled):
     monkeypatch.setattr(slot.sampler, "_sample" if sampled else "take", broken)
     engine.run_until_idle()
     assert doomed.finish_reason is FinishReason.ERROR and "sampler exploded" in doomed.error
-    assert healthy.output_ids == _alone(model, spec)
+    assert healthy.output_ids == _alone(model, spec).output_ids
 
 
 def test_penalised_greedy_rows_choose_from_their_own_logits(model):
@@ -157,7 +180,7 @@ def test_penalised_greedy_rows_choose_from_their_own_logits(model):
     penalised = engine.submit(Request(prompt_ids=[11] * 30, max_tokens=24,
                                       sampling=SamplingParams(repetition_penalty=100.0)))
     engine.run_until_idle()
-    assert plain.output_ids == _alone(model, plain_spec)
+    assert plain.output_ids == _alone(model, plain_spec).output_ids
     assert len(set(penalised.output_ids)) == 24 and 11 not in penalised.output_ids
     assert len(set(plain.output_ids)) < 24, "the plain request repeats itself, so the penalty has work to do"
 
@@ -205,12 +228,12 @@ def test_background_thread_serves_and_cancels(model):
         assert cancelled.wait(30) and slow.finish_reason is FinishReason.CANCELLED
     finally:
         engine.stop()
-    assert torch.is_tensor(engine.pool.slots[0].state.layers[0].recurrent)
+    assert not engine._thread.is_alive()
 
 
 def test_out_of_memory_in_a_chunk_is_retried_once_from_the_same_state(model, monkeypatch):
     spec = _spec(random.Random(21)) | {"prompt_ids": [rng for rng in range(100, 180)]}
-    expected = _alone(model, spec)
+    expected = _alone(model, spec).output_ids
     engine = _engine(model)
     real_forward = type(model).forward
     calls = {"n": 0}
@@ -243,7 +266,7 @@ def test_out_of_memory_twice_fails_only_that_request(model, monkeypatch):
     engine.run_until_idle()
     assert doomed.finish_reason is FinishReason.ERROR and "out of memory" in doomed.error
     assert "again after releasing cached blocks" in doomed.error
-    assert healthy.output_ids == _alone(model, healthy_spec)
+    assert healthy.output_ids == _alone(model, healthy_spec).output_ids
 
 
 def test_an_empty_stop_string_is_refused_at_submit_and_the_engine_keeps_running(model, tokenizer):

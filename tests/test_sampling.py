@@ -88,17 +88,130 @@ def test_a_seeded_slot_does_not_depend_on_other_slots_or_the_global_rng():
     assert together == alone
 
 
+def reference_candidates(logits, params: P, prompt=(), history=()) -> tuple[list[int], list[float]]:
+    """What a sampled step draws from, written from the definitions in plain Python floats (float64), sharing no
+    code with the sampler: penalties (repetition over the prompt and the generated tokens, CTRL style; frequency and
+    presence over the generated ones, OpenAI style), temperature, the k most likely (ties to the lower id), the
+    distribution renormalised over them, the smallest prefix (probability desc, id asc) whose mass reaches top_p,
+    then the tokens at least min_p times the most likely. Returns ids in that order and their probabilities."""
+    x = [float(v) for v in logits]
+    seen, counts = set(prompt) | set(history), {}
+    for t in history:
+        counts[t] = counts.get(t, 0) + 1
+    if params.repetition_penalty != 1.0:
+        for t in seen:
+            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+    for t, c in counts.items():
+        x[t] -= c * params.frequency_penalty + params.presence_penalty
+    top = max(x)
+    x = [(v - top) / params.temperature for v in x]
+    order = sorted(range(len(x)), key=lambda i: (-x[i], i))
+    if 0 < params.top_k < len(x):
+        order = order[:params.top_k]
+    weights = [math.exp(x[i]) for i in order]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    if params.top_p < 1.0:
+        mass, n = 0.0, 0
+        while n < len(probs) and mass < params.top_p:
+            mass += probs[n]
+            n += 1
+        order, probs = order[:n], probs[:n]
+    if params.min_p > 0.0:
+        kept = [(i, p) for i, p in zip(order, probs) if p >= params.min_p * max(probs)]
+        order, probs = [i for i, _ in kept], [p for _, p in kept]
+    return order, probs
+
+
+def reference_draw(logits, params: P, prompt, history, generator: torch.Generator, order: list[int]) -> int:
+    """One seeded draw: the sampler's one uniform number per step, scaled by the reference's total mass and
+    walked through the candidates in `order` (the order the sampler lays them out in, an implementation choice
+    that only has to be fixed) with the reference's probabilities."""
+    ids, probs = reference_candidates(logits, params, prompt, history)
+    assert sorted(order) == sorted(ids)
+    prob = dict(zip(ids, probs))
+    u = float(torch.rand((), dtype=torch.float64, generator=generator)) * sum(probs)
+    mass = 0.0
+    for i in order:
+        mass += prob[i]
+        if u < mass:
+            return i
+    return order[-1]
+
+
+K3 = dict(temperature=1.0, top_k=3)
+
+
+@pytest.mark.parametrize("params, kept", [
+    # top-p after top-k reads the distribution renormalised over the k: [0.526, 0.316, 0.158]
+    (P(**K3, top_p=0.82), [0, 1]),              # un-renormalised masses (0.5, 0.8) would keep token 2 too
+    (P(**K3, top_p=0.84), [0, 1]),
+    (P(**K3, top_p=0.85), [0, 1, 2]),
+    (P(**K3, top_p=0.52), [0]),
+    (P(**K3, top_p=0.53), [0, 1]),
+    (P(**K3, min_p=0.31), [0, 1]),              # 0.158 / 0.526 = 0.3
+    (P(**K3, min_p=0.29), [0, 1, 2]),
+    (P(**K3, min_p=0.61), [0]),                 # 0.316 / 0.526 = 0.6
+    (P(**K3, top_p=0.85, min_p=0.5), [0, 1]),   # 0.316 / 0.526 = 0.6
+    (P(temperature=1.0, top_k=2, top_p=0.99, min_p=0.7), [0]),
+])
+def test_filters_at_their_cutoffs_match_the_reference(params, kept):
+    assert reference_candidates(LOG_P, params)[0] == kept          # the reference is right about these
+    assert sorted(Sampler(params).candidates(LOG_P)[0].tolist()) == kept
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_candidates_and_draws_match_an_independent_reference(seed):
+    """Top-k with top-p, min-p and all three penalties together, over random logits and a history."""
+    rng = torch.Generator().manual_seed(seed)
+    vocab = 300
+    params = P(temperature=[0.6, 1.0, 1.7][seed % 3], top_k=[0, 40, 7][seed % 3], top_p=[0.9, 0.75, 1.0][seed % 3],
+               min_p=[0.0, 0.02, 0.1][seed % 3], repetition_penalty=1.3, presence_penalty=0.4,
+               frequency_penalty=0.25, seed=seed)
+    prompt = torch.randint(0, vocab, (20,), generator=rng).tolist()
+    sampler, generator = Sampler(params, prompt_ids=prompt), torch.Generator().manual_seed(seed)
+    for step in range(25):
+        logits = torch.randn(vocab, generator=rng) * 3
+        ids, probs = sampler.candidates(logits)
+        want_ids, want_probs = reference_candidates(logits.tolist(), params, prompt, sampler.history)
+        got = dict(zip(ids.tolist(), (probs.double() / probs.double().sum()).tolist()))
+        assert sorted(got) == sorted(want_ids), f"step {step}"
+        total = sum(want_probs)
+        assert all(abs(got[i] - p / total) < 1e-6 for i, p in zip(want_ids, want_probs)), f"step {step}"
+        expected = reference_draw(logits.tolist(), params, prompt, sampler.history, generator, ids.tolist())
+        assert sampler(logits) == expected, f"step {step}"
+
+
+def _order_of(params: P, logits: torch.Tensor, history: list[int]) -> list[int]:
+    """The order a sampler with this history lays its candidates out in."""
+    sampler = Sampler(params, prompt_ids=[1, 2, 3])
+    sampler.history = list(history)
+    return sampler.candidates(logits)[0].tolist()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("params", [P(temperature=1.0, seed=5),
                                     P(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.3, seed=5),
                                     P(repetition_penalty=1.5, frequency_penalty=0.3)])
 def test_tokens_do_not_depend_on_the_device_or_dtype_of_the_logits(device, params):
-    # bfloat16 values are exactly representable in float32, so both inputs carry the same numbers.
+    """bfloat16 logits (and logits on a GPU) give the tokens the float32 logits give on the CPU, which are
+    the reference's (greedy: the first maximum of the penalised logits)."""
     steps = [torch.randn(2000, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(30)]
-    reference = Sampler(params, prompt_ids=[1, 2, 3])
-    expected = [reference(x.float()) for x in steps]
+    generator, history, expected = torch.Generator().manual_seed(params.seed or 0), [], []
+    for x in steps:
+        if params.greedy:
+            order, _ = reference_candidates(x.float().tolist(), P(temperature=1.0, **{
+                k: getattr(params, k) for k in ("repetition_penalty", "presence_penalty", "frequency_penalty")}),
+                [1, 2, 3], history)
+            token = order[0]
+        else:
+            token = reference_draw(x.float().tolist(), params, [1, 2, 3], history, generator,
+                                   _order_of(params, x.float(), history))
+        history.append(token)
+        expected.append(token)
     for dtype in (torch.float32, torch.bfloat16):
         s = Sampler(params, prompt_ids=[1, 2, 3])
+        # bfloat16 values are exactly representable in float32, so both inputs carry the same numbers.
         assert [s(x.to(device, dtype)) for x in steps] == expected
 
 
