@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 
@@ -259,5 +258,22 @@ def test_presets():
     assert 170e9 < count < 190e9 and 320 < count * 2 / 2**30 < 350
     ple = [s for s in layout.runtime_specs(full) if s.name.endswith("ngram_embedding.weight")]
     assert len(ple) == 1 and 50e9 < ple[0].numel < 52e9
-    # Bench: 8 x 2.5B of experts, plus the MTP layer (another 2.5B) and 1.3B of embedding and lm_head.
-    assert math.isclose(sum(s.numel for s in layout.runtime_specs(bench)) / 1e9, 25.2, rel_tol=0.02)
+    # Bench, part by part from its config: 8 layers of 512 experts, each a gate+up (2 x 640 x 2560) and a down
+    # (2560 x 640) projection, 20.13B; the embedding and the LM head, 2 x 248320 x 2560 = 1.27B; the MTP layer,
+    # one more layer of experts (2.52B) with its own attention; the PLE table; the rest (attention, GDN, shared
+    # experts, hyper-connections, norms) under 1B.
+    parts = {"experts": 0, "embed_head": 0, "mtp": 0, "ple": 0, "rest": 0}
+    for spec in layout.runtime_specs(bench):
+        part = "mtp" if spec.name.startswith("mtp") else "experts" if ".mlp.experts." in spec.name else \
+            "ple" if "ngram" in spec.name else "embed_head" if spec.name in ("model.embed_tokens.weight",
+                                                                             "lm_head.weight") else "rest"
+        parts[part] += spec.numel
+    assert parts["experts"] == 8 * 512 * 3 * 640 * 2560
+    assert parts["embed_head"] == 2 * 248320 * 2560
+    assert 512 * 3 * 640 * 2560 < parts["mtp"] < 512 * 3 * 640 * 2560 + 0.2e9
+    # The PLE table: 16 n-gram heads (orders 2 and 3 of ngram_size 3, heads_per_ngram 8 each) of at least
+    # ngram_vocab_size_base rows (each head's size rounded up), of ple_embed_dim / 16 = 160 values; plus two
+    # 16-entry index vectors.
+    assert 16 * 200000 * 160 < parts["ple"] - 32 < 16 * 200100 * 160
+    assert parts["rest"] < 1e9
+    assert 25.1e9 < sum(parts.values()) < 25.3e9

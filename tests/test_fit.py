@@ -13,8 +13,8 @@ import torch
 
 from qwen4exp.engine import fit as fit_module
 from qwen4exp.engine.fit import FitError, fit_context, resolve_max_ctx
-from qwen4exp.engine.fit_measure import Verification
-from qwen4exp.engine.memory import device_memory_limit, set_device_memory_limit
+from qwen4exp.engine.fit_measure import Verification, measure_state, verify_context, weight_bytes
+from qwen4exp.engine.memory import DeviceMemoryError, device_memory_limit, set_device_memory_limit
 
 MiB = 1 << 20
 STEP = 4096
@@ -53,6 +53,54 @@ def test_fit_is_tight_and_verified(name, request):
     # The answer is a measured position: the workspace line is exact there.
     assert result.context in [p for p, _ in result.measured.workspace]
     assert result.plan.devices[0].capacity == result.measured.capacity
+
+
+@pytest.mark.parametrize("name, cap", [("fit256", 256 * MiB), ("fit512", 512 * MiB)])
+def test_the_fit_is_safe_and_tight_when_allocated_and_run(model, name, cap, request):
+    """Judged without the planner: every slot and snapshot allocated and the floor chunk run at the last
+    position, against the cap less the 10% headroom, fits at the answer and does not one step above it."""
+    result = request.getfixturevalue(name)
+    available = int(cap * 0.9)
+    assert result.verifications[0].available == available
+    cpu, weights = torch.device("cpu"), weight_bytes(model)
+    at = verify_context(model, cpu, result.context, [256], 4, True, weights, available)[0]
+    above = verify_context(model, cpu, result.context + STEP, [256], 4, True, weights, available)[0]
+    assert at.fits and not above.fits, (result.context, at.needed, above.needed, available)
+
+
+def test_a_planned_chunk_that_misses_when_run_falls_back_to_the_floor_chunk(model, monkeypatch):
+    real = fit_module.verify_context
+
+    def planned_chunk_misses(model, device, context, rows, *args):
+        checks = real(model, device, context, rows, *args)
+        if len(rows) > 1:                     # the floor chunk fits; the planned one needs a byte too many
+            last = checks[-1]
+            checks[-1] = Verification(last.context, last.rows, last.available + 1, last.available)
+        return checks
+
+    monkeypatch.setattr(fit_module, "verify_context", planned_chunk_misses)
+    # A given context of 4096 under 256 MiB leaves room for a chunk larger than the floor of 256.
+    result = _fit(model, 256 * MiB, trained=STEP, step=STEP, floor=STEP)
+    assert result.plan.chunk > 256, "the plan must offer a larger chunk for the fallback to matter"
+    assert result.chunk == 256 and result.verifications[0].fits and not result.verifications[-1].fits
+    assert any("serving the floor chunk of 256" in note for note in result.notes), result.notes
+
+
+def test_out_of_memory_while_measuring_the_chunk_counts_as_a_miss_there(model, fit512, monkeypatch):
+    real = fit_module.measure_workspace
+    refused = []
+
+    def out_of_memory_past_8192(model, device, position, rows):
+        if position > 8192:
+            refused.append(position)
+            raise DeviceMemoryError(f"simulated: no room for the chunk at {position}")
+        return real(model, device, position, rows)
+
+    monkeypatch.setattr(fit_module, "measure_workspace", out_of_memory_past_8192)
+    result = _fit(model, 512 * MiB)
+    assert refused and refused[0] == fit512.context         # the first answer's sample ran out of memory
+    assert result.context < fit512.context and result.verifications[-1].fits
+    assert any(f"out of memory measuring the chunk at {refused[0]}" in note for note in result.notes)
 
 
 def test_smaller_cap_gives_smaller_context(fit256, fit512):
@@ -106,9 +154,14 @@ def test_cap_below_the_floor_names_what_is_missing(model, cap, when):
     with pytest.raises(FitError) as caught:
         _fit(model, cap * MiB)
     text = str(caught.value)
+    # The breakdown's figures, from what the model measures: its weights, and 4 slots' states at 4096 (again
+    # for the 4 snapshots), each state a fixed part plus bytes per position.
+    per_position, fixed = measure_state(model, torch.device("cpu"), 4096)
+    caches = f"{4 * (fixed + per_position * 4096) / MiB:.1f} MiB"          # the plan writes one decimal
     for words in (f"cannot fit 4 slot(s) on cpu with {cap}.00 MiB (memory limit) and 10% headroom{when}:",
                   "context 4096 is the floor and still does not fit: device 'cpu' needs", "more (needed",
-                  "weights 4.4 MiB", "caches 27.9 MiB", "snapshots 27.9 MiB", "available"):
+                  f"weights {weight_bytes(model) / MiB:.1f} MiB", f"caches {caches}", f"snapshots {caches}",
+                  "available"):
         assert words in text, (words, text)
     workspace = text.split("chunk workspace ")[1].split(" +")[0]
     assert (workspace == "0 B") == bool(when), text
