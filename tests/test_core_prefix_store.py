@@ -151,17 +151,26 @@ def test_random_operations_match_a_plain_model() -> None:
     rng = random.Random(3)
     s = PrefixStore(2, host_limit=60)
     model: dict[int, tuple[tuple[int, ...], int]] = {}  # handle -> (tokens, pins)
+    fresh = stored = 0
     for step in range(600):
         t = tuple(rng.randrange(3) for _ in range(rng.randrange(1, 6) * 2))
         op = rng.random()
         if op < 0.4:
+            duplicate = any(m == t for m, _ in model.values())
+            fresh += not duplicate
             try:
                 out = s.insert(list(t), handle=step, bytes=rng.randrange(1, 20))
-            except PrefixStoreError:
+            except PrefixStoreFull:
+                assert not duplicate
                 continue
+            except PrefixStoreError as err:          # the only other refusal: these tokens are stored already
+                assert duplicate and "already have an entry" in str(err), err
+                continue
+            assert not duplicate, "stored the same tokens twice"
             for h in out.evicted:
                 assert model.pop(h)[1] == 0, "evicted a pinned entry"
             model[step] = (t, 0)
+            stored += 1
         elif op < 0.8:
             hit = s.match(list(t) + [9], pin=rng.random() < 0.2)
             want = max((k for k, (m, _) in model.items() if t[: len(m)] == m), key=lambda k: len(model[k][0]), default=None)
@@ -176,6 +185,8 @@ def test_random_operations_match_a_plain_model() -> None:
         assert s.stats().host_bytes <= 60
         assert len(s) == len(model)
     s.check_integrity()
+    # Full only while pinned entries hold the room: most inserts of new tokens are stored.
+    assert stored > fresh / 2, (stored, fresh)
 
 
 def test_many_threads_share_one_store() -> None:
