@@ -254,5 +254,8 @@ def test_every_key_is_documented():
 
 def test_settings_are_frozen(etc):
     settings = load_settings("tiny", env=env_for(etc))
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="frozen"):
         settings.slots = 8
+    with pytest.raises(ValueError, match="frozen"):
+        settings.server.port = 1
+    assert settings.slots == 4 and settings.server.port == 8077

@@ -131,6 +131,8 @@ def _long_request_in_background(server, token: int, max_tokens: int):
 
 
 def test_park_during_generation_then_unpark(server):
+    snapshot_prompt = list(range(1, 80))
+    assert server.request("POST", "/generate", {"prompt_ids": snapshot_prompt, "max_tokens": 2})[0] == 200
     thread, results = _long_request_in_background(server, token=5, max_tokens=300)
     status, parked, _ = server.request("POST", "/park", {"mode": "abort"}, key=ADMIN_KEY)
     assert status == 200 and parked["parked"] and parked["context"] == CONTEXT
@@ -144,8 +146,8 @@ def test_park_during_generation_then_unpark(server):
     assert server.request("POST", "/park", {}, key=ADMIN_KEY)[1]["already"]          # idempotent
     status, unparked, _ = server.request("POST", "/unpark", {}, key=ADMIN_KEY)
     assert status == 200 and unparked["context"] == CONTEXT
-    # The prefix snapshots survived the park.
-    status, body, _ = server.request("POST", "/generate", {"prompt_ids": list(range(1, 80)), "max_tokens": 2})
+    # The prefix snapshots survived the park: 64 of the 79 tokens (two chunks of 32) come back.
+    status, body, _ = server.request("POST", "/generate", {"prompt_ids": snapshot_prompt, "max_tokens": 2})
     assert status == 200 and body["usage"]["cached_prompt_tokens"] == 64
 
 

@@ -45,17 +45,18 @@ def usable_capacity(device: torch.device, held: int) -> tuple[int, str]:
     return available + held, source
 
 
-def _meminfo_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
+def _meminfo_available(meminfo: Path = Path("/proc/meminfo")) -> int:
+    for line in meminfo.read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable: give a memory limit to fit on this system")
+    raise RuntimeError(f"{meminfo} has no MemAvailable: give a memory limit to fit on this system")
 
 
-def _cgroup_room() -> int | None:
+def _cgroup_room(cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """memory.max - memory.current of this process's cgroup (v2), or None without a limit."""
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        current = Path("/sys/fs/cgroup/memory.current").read_text().strip()
+        limit = (cgroup / "memory.max").read_text().strip()
+        current = (cgroup / "memory.current").read_text().strip()
     except OSError:
         return None
     return int(limit) - int(current) if limit.isdigit() and current.isdigit() else None

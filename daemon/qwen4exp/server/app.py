@@ -117,6 +117,7 @@ async def props(request: web.Request) -> web.Response:
         "state": supervisor.state,
         "context": context,
         "context_source": "profile" if engine_options.max_ctx != "auto" else "fitted (max_ctx = \"auto\")",
+        "context_fitted_now": supervisor.info.get("context_fitted_now"),
         "plan": supervisor.info.get("plan"),
         "slots": engine_options.slots,
         "chunk": engine_options.chunk,

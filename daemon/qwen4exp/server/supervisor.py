@@ -69,7 +69,7 @@ class Supervisor:
         self.state = "loading"
         self._ready = self._loop.create_future()
         parent, child = self._ctx.Pipe()
-        payload = self.options.to_dict() | {"fitted_context": self.fitted_context}
+        payload = self.options.to_dict() | {"fitted_context": self.fitted_context, "plan": self.info.get("plan")}
         self._process = self._ctx.Process(target=worker_main, args=(payload, child), name="qwen4exp-engine",
                                           daemon=True)
         self._process.start()

@@ -25,7 +25,7 @@ class Worker:
         self.cache = None
         self.fitted_context: int | None = options.get("fitted_context")
         self.requests: dict[str, object] = {}
-        self.plan: dict | None = None          # the context fit's plan, when max_ctx is "auto"
+        self.plan: dict | None = options.get("plan")    # the context fit's plan, when max_ctx is "auto"
 
     def send(self, *message) -> None:
         with self.send_lock:
@@ -48,6 +48,9 @@ class Worker:
         set_device_memory_limit(device, o["device_memory_limit"])
         model = load_model(o["model"], dtype=o["dtype"], device=device, progress=False)
         backend = SnapshotBackend.for_device(device)
+        # A context fitted before (by this worker before a park, or by the one before a restart) is kept: a new
+        # fit could land elsewhere, and the snapshots and the clients count on the context.
+        fitted_now = self.fitted_context is None and o["max_ctx"] == "auto"
         context = self.fitted_context or self._context(model, device, backend.tier == "device" or
                                                         device.type == "cpu")
         self.fitted_context = context
@@ -61,7 +64,8 @@ class Worker:
                              queue_limit=o["queue_limit"], cuda_graphs=o["cuda_graphs"],
                              compile_decode=o["compile_decode"])
         self.engine.start()
-        return {"context": context, "plan": self.plan, "load_seconds": round(time.perf_counter() - started, 3),
+        return {"context": context, "plan": self.plan, "context_fitted_now": fitted_now,
+                "load_seconds": round(time.perf_counter() - started, 3),
                 "device": str(device), "vocab_size": model.config.vocab_size,
                 "gpu_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else 0}
 
