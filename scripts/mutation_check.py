@@ -96,7 +96,8 @@ def run_tests(tests: tuple[str, ...], timeout: float) -> tuple[bool, list[str]]:
                               cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False, ["(timed out)"]
-    failed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    failed = [line.split()[1] for line in done.stdout.splitlines() if line.startswith(("FAILED tests/",
+                                                                                        "ERROR tests/"))]
     return done.returncode == 0, failed
 
 

@@ -15,9 +15,12 @@ class RecordingSampler(Sampler):
     """Keeps a CPU copy of every logits row it is asked to choose from. It never takes a batch argmax, so the
     engine hands greedy rows to it one by one too (the same first maximum: the same tokens)."""
 
+    created: list["RecordingSampler"] = []
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.rows: list[torch.Tensor] = []
+        RecordingSampler.created.append(self)
 
     @property
     def takes_argmax(self) -> bool:
@@ -34,8 +37,11 @@ def record_logits(monkeypatch) -> None:
     real_start = engine_module.Engine._start
 
     def start(self, slot, request):
+        RecordingSampler.created.clear()
+        # The sampler this start makes; a request whose whole prompt was cached may be finished (and its slot
+        # released) before start returns.
         real_start(self, slot, request)
-        request.logits = slot.sampler.rows
+        request.logits = RecordingSampler.created[-1].rows
 
     monkeypatch.setattr(engine_module.Engine, "_start", start)
 

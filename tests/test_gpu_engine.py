@@ -14,6 +14,7 @@ from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.prefix_cache import PrefixCache
 from qwen4exp.engine.sampling import SamplingParams
 from qwen4exp.engine.snapshot import SnapshotBackend
+from logits_record import assert_same_logits, record_logits
 from staggered import run_staggered
 
 pytestmark = pytest.mark.gpu
@@ -61,6 +62,36 @@ def test_graph_decode_alone_equals_together(models, name, compiled):
                      [0, 0, 0, 0])
         same = sum(a == b for a, b in zip(alone, eager))
         print(f"{name}: compiled decode gives the eager step's tokens for {same} of {len(specs)} requests")
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_alone_equals_together_on_every_logits_row(models, name, monkeypatch):
+    """Not only the tokens: every logits row a request's tokens come from is, bit for bit, the row it gets
+    alone, whatever its neighbours do (prefill beside decode included)."""
+    record_logits(monkeypatch)
+    engine = Engine(models[name], slots=4, context=CONTEXT, chunk=CHUNK)
+    specs = _specs()
+    alone = [run_staggered(engine, [spec], [0])[0] for spec in specs]
+    for starts in ([0, 3, 7, 12], [9, 0, 2, 5]):
+        for got, want in zip(run_staggered(engine, specs, starts), alone):
+            assert_same_logits(got, want, f"{name}, starts {starts}, {len(want.prompt_ids)}-token prompt")
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_warm_equals_cold_on_every_logits_row(models, name, monkeypatch):
+    record_logits(monkeypatch)
+    model = models[name]
+    cache = PrefixCache(CHUNK, 1 << 30, SnapshotBackend.for_device(torch.device("cuda")),
+                        model.config.indexer_compress_ratio)
+    specs = [dict(prompt_ids=_prompt(n, seed=40 + n), max_tokens=16, sampling=sampling)
+             for n in (150, 160) for sampling in (SamplingParams(), SEEDED)]
+    cold = run_staggered(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK), specs, [0, 0, 0, 0])
+    engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, prefix_cache=cache)
+    run_staggered(engine, specs, [0, 0, 0, 0])
+    warm = run_staggered(engine, specs[::-1], [0, 0, 0, 0])[::-1]
+    assert all(r.cached_tokens for r in warm)
+    for got, want in zip(warm, cold):
+        assert_same_logits(got, want, f"{name}, {len(want.prompt_ids)}-token prompt, warm against cold")
 
 
 @pytest.mark.parametrize("name", DTYPES)

@@ -14,6 +14,7 @@ from qwen4exp.engine.request import Request
 from qwen4exp.engine.sampling import SamplingParams
 from qwen4exp.engine.snapshot import Snapshot, SnapshotBackend
 from qwen4exp.engine.model.causal_lm import Segment
+from logits_record import assert_same_logits, record_logits
 
 CHUNK = 16          # restore points every 16 tokens: on both sides of the tiny model's QSA dense limit (35)
 CONTEXT = 512
@@ -50,9 +51,11 @@ SAMPLINGS = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.95, seed=
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "seeded"])
 @pytest.mark.parametrize("length, cached", [(150, 144), (160, 160)], ids=["off-grid", "on-grid"])
-def test_resent_prompt_is_warm_and_equals_cold(model, sampling, length, cached):
+def test_resent_prompt_is_warm_and_equals_cold(model, sampling, length, cached, monkeypatch):
     """Off the restore grid the warm run restores the last restore point (144) and runs the rest; a prompt
-    ending on a restore point comes back whole, with its last logits: no token runs again."""
+    ending on a restore point comes back whole, with its last logits: no token runs again. Every logits row
+    the warm run chooses from is the cold run's, bit for bit."""
+    record_logits(monkeypatch)
     prompt = _prompt(length, seed=length)
     cold_reference, = _run(_engine(model), Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
     cache = _cache(model)
@@ -60,7 +63,8 @@ def test_resent_prompt_is_warm_and_equals_cold(model, sampling, length, cached):
     cold, = _run(engine, Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
     warm, = _run(engine, Request(prompt_ids=prompt, max_tokens=12, sampling=sampling))
     assert cold.cached_tokens == 0 and warm.cached_tokens == cached
-    assert warm.output_ids == cold.output_ids == cold_reference.output_ids
+    assert_same_logits(warm, cold_reference, "warm against a cold engine")
+    assert_same_logits(cold, cold_reference, "cold with a cache against a cold engine")
     assert cache.counters.restores == 1 and cache.counters.refused == 0
     one_token, = _run(engine, Request(prompt_ids=prompt, max_tokens=1, sampling=sampling))
     assert one_token.output_ids == cold.output_ids[:1] and one_token.finish_reason.value == "length"
@@ -79,7 +83,8 @@ def test_extended_prompt_restores_the_shared_prefix_and_equals_cold(model):
     assert warm.output_ids == cold.output_ids
 
 
-def test_restore_into_another_slot_beside_other_requests(model):
+def test_restore_into_another_slot_beside_other_requests(model, monkeypatch):
+    record_logits(monkeypatch)
     prompt = _prompt(120, seed=4)
     cache = _cache(model)
     engine = _engine(model, cache)
@@ -92,7 +97,7 @@ def test_restore_into_another_slot_beside_other_requests(model):
     _run(engine, warm, neighbour)
     assert busy.finished and warm.cached_tokens == 112
     assert first.slot == busy.slot == 0 and warm.slot != first.slot
-    assert warm.output_ids == first.output_ids
+    assert_same_logits(warm, first, "warm in another slot beside neighbours")
 
 
 def test_snapshot_restores_the_state_exactly(model):

@@ -107,8 +107,8 @@ def test_a_request_that_never_gets_a_token_times_out_and_is_cancelled():
             self.cancelled.append(stream.id)
 
     supervisor = Queued()
-    with pytest.raises(ApiError) as caught:
-        asyncio.run(collect(supervisor, {}, timeout=0.2))
+    with pytest.raises(ApiError) as caught:          # (the outer 5 s: a deadline that never fires fails, not hangs)
+        asyncio.run(asyncio.wait_for(collect(supervisor, {}, timeout=0.2), 5))
     assert caught.value.status == 408 and "waiting for its first token" in caught.value.message
     assert caught.value.extra["partial"]["completion_tokens"] == 0 and supervisor.cancelled == ["r1"]
 
