@@ -151,19 +151,28 @@ def test_a_park_in_abort_mode_is_a_503_for_json_and_an_error_event_for_streams(s
         t.start()
     _wait(lambda: server.supervisor.in_flight == 2 and _stats(server)["busy_slots"] == 2, 10, "both running")
     time.sleep(0.2)
-    assert server.request("POST", "/park", {"mode": "abort"}, key=ADMIN_KEY)[0] == 200
-    for t in threads:
-        t.join(10)
+    try:
+        assert server.request("POST", "/park", {"mode": "abort"}, key=ADMIN_KEY)[0] == 200
+        for t in threads:
+            t.join(10)
+    finally:
+        assert server.request("POST", "/unpark", {}, key=ADMIN_KEY)[0] == 200
     status, body, response = results["json"]
     assert status == 503 and response.getheader("Retry-After") and body["error"]["type"] == "server_error"
     events = _sse(results["stream"][1])
     assert json.loads(events[-3])["error"]["code"] == 503 and events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
-    assert server.request("POST", "/unpark", {}, key=ADMIN_KEY)[0] == 200
 
 
 def test_a_worker_that_dies_while_parked_stays_parked_until_unpark(server):
     assert server.request("POST", "/park", {}, key=ADMIN_KEY)[0] == 200
+    try:
+        _killed_while_parked(server)
+    finally:
+        server.request("POST", "/unpark", {}, key=ADMIN_KEY)
+
+
+def _killed_while_parked(server):
     server.supervisor.kill_worker()
     time.sleep(2.5)                                  # past the restart delay: nothing may take the GPU back
     status, health, _ = server.request("GET", "/health", key=None)

@@ -134,6 +134,13 @@ def test_park_during_generation_then_unpark(server):
     snapshot_prompt = list(range(1, 80))
     assert server.request("POST", "/generate", {"prompt_ids": snapshot_prompt, "max_tokens": 2})[0] == 200
     thread, results = _long_request_in_background(server, token=5, max_tokens=300)
+    try:
+        _park_then_unpark(server, thread, results, snapshot_prompt)
+    finally:                                   # a failure here must not leave the module's server parked
+        server.request("POST", "/unpark", {}, key=ADMIN_KEY)
+
+
+def _park_then_unpark(server, thread, results, snapshot_prompt):
     status, parked, _ = server.request("POST", "/park", {"mode": "abort"}, key=ADMIN_KEY)
     assert status == 200 and parked["parked"] and parked["context"] == CONTEXT
     thread.join(30)

@@ -42,7 +42,8 @@ def document() -> dict:
         "model": {"type": "string"}, "max_completion_tokens": {"type": "integer", "minimum": 1},
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"], "properties": {
-                "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]}, "content": {"type": "string"}}}},
+                "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+                "content": {"type": "string"}}}},
         **_SAMPLING}}
     park = {"type": "object", "properties": {"mode": {"type": "string", "enum": ["wait", "abort"]}}}
     return {

@@ -54,12 +54,10 @@ def _start(model_dir: str, default_max_tokens: int) -> None:
     _TOKENIZER, _DEFAULT_MAX_TOKENS = Tokenizer.from_dir(model_dir), default_max_tokens
 
 
-def prepare_body(endpoint: str, raw: bytes, context: int | None, tokenizer=None,
-                 default_max_tokens: int | None = None) -> Prepared:
+def prepare_body(endpoint: str, raw: bytes, context: int | None) -> Prepared:
     """`raw` as the engine's request for `endpoint` ("generate", "completion" or "chat"), or ApiError(400) naming
     the field. `context` (when known) refuses a prompt that cannot fit before its ids leave this process."""
-    tokenizer = tokenizer or _TOKENIZER
-    default = default_max_tokens or _DEFAULT_MAX_TOKENS
+    tokenizer = _TOKENIZER
     body = parse_json(raw)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -76,7 +74,7 @@ def prepare_body(endpoint: str, raw: bytes, context: int | None, tokenizer=None,
             key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         else:
             prompt_ids, key = _completion_prompt(body, tokenizer), "max_tokens"
-    fields = engine_fields(body, prompt_ids, tokenizer.eos_token_ids, key, default)
+    fields = engine_fields(body, prompt_ids, tokenizer.eos_token_ids, key, _DEFAULT_MAX_TOKENS)
     n, wanted = len(prompt_ids), fields["max_tokens"]
     if context is not None and n + wanted > context:
         raise ApiError(400, f"prompt of {n} tokens + {key} {wanted} = {n + wanted} exceeds the context of {context} "

@@ -88,6 +88,7 @@ class Supervisor:
             await asyncio.get_running_loop().run_in_executor(None, self._process.join, 10)
             if self._process.is_alive():
                 self._process.kill()
+        self._conn = None                  # nothing is sent after this: a late cancel is a no-op
         self._sender.shutdown(wait=False)
 
     def _send(self, *message) -> None:
