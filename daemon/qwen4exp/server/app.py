@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from .connections import ConnectionGuard
-from .errors import ApiError, error_middleware, parse_json, read_body
+from .errors import ApiError, EngineUnavailable, error_middleware, parse_json, read_body
+from .messages import EngineState
 from .metrics import render_metrics
 from .options import EngineOptions
 from .prepare import Prepared, Preparer
-from .supervisor import EngineUnavailable, Supervisor
+from .supervisor import Supervisor
 
 
 @dataclass(frozen=True)
@@ -81,16 +82,14 @@ async def prepared_request(request: web.Request, endpoint: str) -> Prepared:
 
 
 async def ensure_serving(app: web.Application) -> Supervisor:
-    """The supervisor, ready; wakes a parked engine when the profile says so."""
+    """The supervisor, after waking a parked engine when the profile says so (its submit answers 503 while the
+    engine is not serving, saying why)."""
     supervisor = app[SUPERVISOR]
-    if supervisor.state == "parked" and app[OPTIONS].wake_on_request:
+    if supervisor.state is EngineState.PARKED and app[OPTIONS].wake_on_request:
         try:
             await supervisor.unpark()
         except EngineUnavailable:
-            pass                          # the state says why; the answer below reports it
-    if supervisor.state != "ready":
-        raise ApiError(503, f"the engine is {supervisor.state}" + (f": {supervisor.error}" if supervisor.error else ""),
-                       "server_error", headers={"Retry-After": "5"})
+            pass                          # the state says why; submit reports it
     return supervisor
 
 
@@ -99,7 +98,7 @@ async def health(request: web.Request) -> web.Response:
     body = {"status": supervisor.state, "restarts": supervisor.restarts}
     if supervisor.error:
         body["error"] = supervisor.error
-    return web.json_response(body, status=200 if supervisor.state == "ready" else 503)
+    return web.json_response(body, status=200 if supervisor.state is EngineState.READY else 503)
 
 
 async def props(request: web.Request) -> web.Response:
@@ -146,10 +145,7 @@ async def park(request: web.Request) -> web.Response:
     if mode not in ("wait", "abort"):
         raise ApiError(400, f"'mode' must be \"wait\" or \"abort\", got {mode!r}", param="mode")
     started = time.perf_counter()
-    try:
-        info = await request.app[SUPERVISOR].park(mode)
-    except EngineUnavailable as err:
-        raise ApiError(503, str(err), "server_error", headers={"Retry-After": "5"}) from None
+    info = await request.app[SUPERVISOR].park(mode)
     if info.get("already"):
         return web.json_response({"parked": True, "already": True, "context": info["context"]})
     return web.json_response({"parked": True, "mode": mode, "seconds": round(time.perf_counter() - started, 3),
@@ -158,10 +154,7 @@ async def park(request: web.Request) -> web.Response:
 
 async def unpark(request: web.Request) -> web.Response:
     started = time.perf_counter()
-    try:
-        info = await request.app[SUPERVISOR].unpark()
-    except EngineUnavailable as err:
-        raise ApiError(503, str(err), "server_error", headers={"Retry-After": "5"}) from None
+    info = await request.app[SUPERVISOR].unpark()
     if info.get("already"):
         return web.json_response({"parked": False, "already": True, "context": info["context"]})
     return web.json_response({"parked": False, "seconds": round(time.perf_counter() - started, 3),
@@ -207,7 +200,7 @@ async def _park_when_idle(supervisor: Supervisor, seconds: float) -> None:
     """Park after `seconds` with no request in flight (the profile's park_after_idle)."""
     while True:
         await asyncio.sleep(min(seconds, 5.0))
-        if supervisor.state == "ready" and not supervisor.in_flight and \
+        if supervisor.state is EngineState.READY and not supervisor.in_flight and \
                 time.monotonic() - supervisor.last_activity >= seconds:
             try:
                 await supervisor.park()

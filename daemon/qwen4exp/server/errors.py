@@ -30,6 +30,17 @@ class ApiError(Exception):
                           **self.extra}}
 
 
+class EngineUnavailable(ApiError):
+    """The engine is not serving (loading, parking, parked, restarting or failed); the message says which. A client
+    may send the request again later: 503 with Retry-After."""
+
+    def __init__(self, message: str):
+        super().__init__(503, message, "server_error", headers={"Retry-After": "5"})
+
+    def __reduce__(self):
+        return EngineUnavailable, (self.message,)
+
+
 def error_response(err: ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=err.headers)
 

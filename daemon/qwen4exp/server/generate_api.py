@@ -8,17 +8,18 @@ from __future__ import annotations
 from aiohttp import web
 
 from .app import ensure_serving, prepared_request, request_timeout
+from .messages import Result, Token
 from .runner import collect, events, stream_response
 
 routes = web.RouteTableDef()
 
 
-def usage(result: dict) -> dict:
-    timings = result.get("timings", {})
+def usage(result: Result) -> dict:
+    timings = result.timings
     return {
-        "prompt_tokens": result["prompt_tokens"],
-        "completion_tokens": len(result["output_ids"]),
-        "cached_prompt_tokens": result.get("cached_tokens", 0),
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": len(result.output_ids),
+        "cached_prompt_tokens": result.cached_tokens,
         "prefill_ms": timings.get("prefill_ms"),
         "decode_tokens_per_s": timings.get("decode_tokens_per_s"),
         "queued_ms": timings.get("queued_ms"),
@@ -32,15 +33,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
     timeout = request_timeout(request.app)
     if not prepared.stream:
         result = await collect(supervisor, prepared.fields, timeout)
-        return web.json_response({"text": result["text"], "token_ids": result["output_ids"],
-                                  "finish_reason": result["finish_reason"], "usage": usage(result)})
+        return web.json_response({"text": result.text, "token_ids": result.output_ids,
+                                  "finish_reason": result.finish_reason, "usage": usage(result)})
 
-    def render(event):
-        if event[0] == "token":
-            return [{"token": event[1], "text": event[2]}]
-        result = event[1]
-        return [{"finish_reason": result["finish_reason"], "error": None, "text": result["text"],
-                 "usage": usage(result)}]
+    def render(event: Token | Result):
+        if isinstance(event, Token):
+            return [{"token": event.token, "text": event.text}]
+        return [{"finish_reason": event.finish_reason, "error": None, "text": event.text, "usage": usage(event)}]
 
     def fail(err):
         return [{"finish_reason": "error", "error": err.body()["error"], "text": err.extra["partial"]["text"],

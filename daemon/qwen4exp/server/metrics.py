@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .messages import EngineState
+
 
 def _line(name: str, value, help_text: str, kind: str = "gauge") -> str:
     return f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n{name} {value}\n"
@@ -10,8 +12,8 @@ def _line(name: str, value, help_text: str, kind: str = "gauge") -> str:
 def render_metrics(supervisor, stats: dict, guard) -> str:
     state = supervisor.state
     out = [
-        _line("qwen4exp_up", int(state == "ready"), "1 when the engine serves requests"),
-        _line("qwen4exp_parked", int(state == "parked"), "1 while the engine is parked (GPU given back)"),
+        _line("qwen4exp_up", int(state is EngineState.READY), "1 when the engine serves requests"),
+        _line("qwen4exp_parked", int(state is EngineState.PARKED), "1 while the engine is parked (GPU given back)"),
         _line("qwen4exp_engine_restarts_total", supervisor.restarts, "engine worker restarts", "counter"),
         _line("qwen4exp_requests_in_flight", supervisor.in_flight, "requests sent to the engine, not finished"),
         _line("qwen4exp_context_tokens", supervisor.fitted_context or 0, "the context each slot serves"),

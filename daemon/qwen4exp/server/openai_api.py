@@ -12,15 +12,16 @@ import uuid
 from aiohttp import web
 
 from .app import OPTIONS, ensure_serving, prepared_request, request_timeout
+from .messages import Result, Token
 from .runner import collect, events, stream_response
 
 routes = web.RouteTableDef()
 
 
-def _usage(result: dict) -> dict:
-    return {"prompt_tokens": result["prompt_tokens"], "completion_tokens": len(result["output_ids"]),
-            "total_tokens": result["prompt_tokens"] + len(result["output_ids"]),
-            "prompt_tokens_details": {"cached_tokens": result.get("cached_tokens", 0)}}
+def _usage(result: Result) -> dict:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.output_ids),
+            "total_tokens": result.prompt_tokens + len(result.output_ids),
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
 
 async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
@@ -41,23 +42,22 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     if not prepared.stream:
         result = await collect(supervisor, prepared.fields, timeout)
         return web.json_response({"id": ident, "object": obj, "created": created, "model": model,
-                                  "choices": [choice(result["text"], result["finish_reason"], False)],
+                                  "choices": [choice(result.text, result.finish_reason, False)],
                                   "usage": _usage(result)})
     base = {"id": ident, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
             "created": created, "model": model}
     streamed: list[str] = []
 
-    def render(event):
-        if event[0] == "token":
-            if not event[2]:
+    def render(event: Token | Result):
+        if isinstance(event, Token):
+            if not event.text:
                 return []
-            streamed.append(event[2])
-            return [base | {"choices": [choice(event[2], None, True)]}]
-        result = event[1]
+            streamed.append(event.text)
+            return [base | {"choices": [choice(event.text, None, True)]}]
         # Bytes held back until the end (an incomplete character) arrive with the last chunk.
-        tail = result["text"][len("".join(streamed)):]
-        last = [base | {"choices": [choice(tail, result["finish_reason"], True)]}]
-        return last + ([base | {"choices": [], "usage": _usage(result)}] if prepared.include_usage else [])
+        tail = event.text[len("".join(streamed)):]
+        last = [base | {"choices": [choice(tail, event.finish_reason, True)]}]
+        return last + ([base | {"choices": [], "usage": _usage(event)}] if prepared.include_usage else [])
 
     def fail(err):
         return [err.body(), base | {"choices": [choice("", "length", True)]}]

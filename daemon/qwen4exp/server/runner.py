@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from .errors import ApiError
-from .supervisor import EngineUnavailable, Supervisor
+from .messages import Finished, RejectReason, Rejected, Result, Token
+from .supervisor import Lost, Supervisor
 
 log = logging.getLogger("qwen4exp.server")
 RETRY_AFTER = {"Retry-After": "5"}
@@ -37,13 +38,13 @@ class Progress:
         return {"text": self.text, "token_ids": self.token_ids, "completion_tokens": len(self.token_ids)}
 
 
-def _rejected(message: str) -> ApiError:
+def _rejected(rejected: Rejected) -> ApiError:
     """The worker refused the request before it started."""
-    if "queue is full" in message:
-        return ApiError(429, message, "rate_limit_error", headers={"Retry-After": "1"})
-    if "parked" in message:
-        return ApiError(503, message, "server_error", headers=RETRY_AFTER)
-    return ApiError(400, message)
+    if rejected.reason is RejectReason.QUEUE_FULL:
+        return ApiError(429, rejected.message, "rate_limit_error", headers={"Retry-After": "1"})
+    if rejected.reason is RejectReason.PARKED:
+        return ApiError(503, rejected.message, "server_error", headers=RETRY_AFTER)
+    return ApiError(400, rejected.message)
 
 
 def _given_up(status: int, message: str, progress: Progress, headers: dict | None = None) -> ApiError:
@@ -52,14 +53,11 @@ def _given_up(status: int, message: str, progress: Progress, headers: dict | Non
                     extra={"partial": progress.partial()})
 
 
-async def events(supervisor: Supervisor, fields: dict, timeout: float | None) -> AsyncIterator[tuple]:
-    """Yields ("token", id, text) events, then one ("finish", result) event. A request that cannot end with its
-    answer raises ApiError (see the module's docstring), before or after its first token."""
+async def events(supervisor: Supervisor, fields: dict, timeout: float | None) -> AsyncIterator[Token | Result]:
+    """Yields a Token per generated token, then the Result. A request that cannot end with its answer raises
+    ApiError (see the module's docstring), before or after its first token."""
     started = time.monotonic()
-    try:
-        stream = supervisor.submit(fields)
-    except EngineUnavailable as err:
-        raise ApiError(503, str(err), "server_error", headers=RETRY_AFTER) from None
+    stream = supervisor.submit(fields)           # EngineUnavailable (503) if the engine is not serving
     progress, finished = Progress(), False
     try:
         while True:
@@ -72,41 +70,41 @@ async def events(supervisor: Supervisor, fields: dict, timeout: float | None) ->
                 phase = "decoding" if progress.token_ids else "waiting for its first token"
                 raise _given_up(408, f"the request timed out after {timeout:g} s (server.request_timeout) while "
                                 f"{phase}", progress, {"x-should-retry": "false"}) from None
-            kind = event[0]
-            if kind == "token":
-                progress.token_ids.append(event[1])
-                progress.text += event[2]
+            if isinstance(event, Token):
+                progress.token_ids.append(event.token)
+                progress.text += event.text
                 yield event
                 continue
             finished = True
-            if kind == "rejected":
-                raise _rejected(event[1])
-            if kind == "lost":
-                raise _given_up(503, event[1], progress, RETRY_AFTER)
-            result = event[1]
-            reason = result["finish_reason"]
+            if isinstance(event, Rejected):
+                raise _rejected(event)
+            if isinstance(event, Lost):
+                raise _given_up(503, event.message, progress, RETRY_AFTER)
+            assert isinstance(event, Finished), event
+            result = event.result
+            reason = result.finish_reason
             if reason == "cancelled":
                 raise _given_up(503, "the request was cancelled before it finished (the engine was parked in "
                                 "'abort' mode or stopped); send it again", progress, RETRY_AFTER)
             if reason == "error":
-                raise _given_up(500, f"the request failed in the engine: {result.get('error')}", progress)
-            yield event
+                raise _given_up(500, f"the request failed in the engine: {result.error}", progress)
+            yield result
             return
     finally:
         if not finished:          # the client went away, the deadline passed, or the handler was cancelled
             supervisor.cancel(stream)
 
 
-async def collect(supervisor: Supervisor, fields: dict, timeout: float | None) -> dict:
-    """The finish event's result; raises ApiError as events() does."""
+async def collect(supervisor: Supervisor, fields: dict, timeout: float | None) -> Result:
+    """The request's Result; raises ApiError as events() does."""
     async with contextlib.aclosing(events(supervisor, fields, timeout)) as stream:
         async for event in stream:
-            if event[0] == "finish":
-                return event[1]
-    raise AssertionError("events() ends with a finish event or raises")
+            if isinstance(event, Result):
+                return event
+    raise AssertionError("events() ends with a Result or raises")
 
 
-async def stream_response(request: web.Request, stream: AsyncIterator[tuple], render, fail,
+async def stream_response(request: web.Request, stream: AsyncIterator[Token | Result], render, fail,
                           closing: tuple = ()) -> web.StreamResponse:
     """Serve `stream`'s events as SSE: `render(event)` and `fail(err)` give the payloads to send for an event and
     for a request given up on after the stream began; `closing` is sent after either. The response opens on the

@@ -20,19 +20,24 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from .errors import EngineUnavailable
+from .messages import (Cancel, EngineState, Failed, Finished, Park, Parked, Ready, Rejected, Stats, StatsQuery,
+                       Stop, Submit, Token, Unpark, Unparked)
 from .options import EngineOptions
 from .worker import worker_main
 
 log = logging.getLogger("qwen4exp.supervisor")
 
 
-class EngineUnavailable(RuntimeError):
-    """The engine is not serving (loading, parked, restarting or failed); the message says which."""
+@dataclass(frozen=True)
+class Lost:
+    """The worker died with the request in flight."""
+    message: str
 
 
 @dataclass
 class Stream:
-    """One request's events as they arrive: ("token", id, text) ... then ("finish", result)."""
+    """One request's events as they arrive: Token ... then Finished, or Rejected, or Lost."""
     id: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
@@ -40,7 +45,7 @@ class Stream:
 class Supervisor:
     def __init__(self, options: EngineOptions, restart_delay: float = 1.0):
         self.options = options
-        self.state = "loading"           # loading | ready | parking | parked | error
+        self.state = EngineState.LOADING
         self.error: str | None = None
         self.info: dict = {}
         self.fitted_context: int | None = None
@@ -50,8 +55,8 @@ class Supervisor:
         self._ctx = multiprocessing.get_context("spawn")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, Stream] = {}
-        # The worker answers each kind of call in the order it was asked: one FIFO of waiters per kind.
-        self._replies: dict[str, collections.deque[asyncio.Future]] = collections.defaultdict(collections.deque)
+        # The worker answers each kind of question in the order it was asked: one FIFO of waiters per reply type.
+        self._replies: dict[type, collections.deque[asyncio.Future]] = collections.defaultdict(collections.deque)
         self._ready: asyncio.Future | None = None
         self._ids = itertools.count(1)
         self._process = self._conn = None
@@ -66,7 +71,7 @@ class Supervisor:
         await self._spawn()
 
     async def _spawn(self) -> None:
-        self.state = "loading"
+        self.state = EngineState.LOADING
         self._ready = self._loop.create_future()
         parent, child = self._ctx.Pipe()
         payload = self.options.to_dict() | {"fitted_context": self.fitted_context, "plan": self.info.get("plan")}
@@ -82,7 +87,7 @@ class Supervisor:
         self._stopping = True
         if self._process is not None and self._process.is_alive():
             try:
-                self._send("stop")
+                self._send(Stop())
             except EngineUnavailable:
                 pass
             await asyncio.get_running_loop().run_in_executor(None, self._process.join, 10)
@@ -91,7 +96,7 @@ class Supervisor:
         self._conn = None                  # nothing is sent after this: a late cancel is a no-op
         self._sender.shutdown(wait=False)
 
-    def _send(self, *message) -> None:
+    def _send(self, message) -> None:
         """Queue a message for the worker; the sender thread writes it after every message queued before."""
         conn = self._conn
         if conn is None:
@@ -99,7 +104,7 @@ class Supervisor:
         self._sender.submit(self._write, conn, message)
 
     @staticmethod
-    def _write(conn, message: tuple) -> None:
+    def _write(conn, message) -> None:
         try:
             conn.send(message)
         except OSError:
@@ -116,37 +121,38 @@ class Supervisor:
         process.join()
         self._loop.call_soon_threadsafe(self._worker_died, process.exitcode)
 
-    def _dispatch(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "ready":
-            self.info = message[1]
+    def _dispatch(self, message) -> None:
+        if isinstance(message, Token):
+            self.counters["generated_tokens"] += 1
+            stream = self._streams.get(message.id)
+            if stream is not None:
+                stream.queue.put_nowait(message)
+        elif isinstance(message, (Finished, Rejected)):
+            if isinstance(message, Finished):
+                self.counters["requests"] += 1
+                self.counters["prompt_tokens"] += message.result.prompt_tokens
+                self.counters["cached_prompt_tokens"] += message.result.cached_tokens
+            stream = self._streams.pop(message.id, None)
+            if stream is not None:
+                stream.queue.put_nowait(message)
+        elif isinstance(message, Ready):
+            self.info = message.info
             self.fitted_context = self.info["context"]
-            self.state, self.error = "ready", None
+            self.state, self.error = EngineState.READY, None
             if not self._ready.done():
                 self._ready.set_result(self.info)
-        elif kind == "failed":
-            self.state, self.error = "error", message[1]
-            log.error("the engine failed to start: %s\n%s", message[1], message[2])
+        elif isinstance(message, Failed):
+            self.state, self.error = EngineState.ERROR, message.error
+            log.error("the engine failed to start: %s\n%s", message.error, message.trace)
             if not self._ready.done():
                 self._ready.set_result(None)
-        elif kind == "token":
-            self.counters["generated_tokens"] += 1
-            stream = self._streams.get(message[1])
-            if stream is not None:
-                stream.queue.put_nowait(("token", message[2], message[3]))
-        elif kind in ("finish", "rejected"):
-            if kind == "finish":
-                self.counters["requests"] += 1
-                self.counters["prompt_tokens"] += message[2]["prompt_tokens"]
-                self.counters["cached_prompt_tokens"] += message[2]["cached_tokens"]
-            stream = self._streams.pop(message[1], None)
-            if stream is not None:
-                stream.queue.put_nowait((kind, message[2]))
-        else:   # replies to park / unpark / stats
-            waiters = self._replies.get(kind)
+        elif isinstance(message, (Parked, Unparked, Stats)):
+            waiters = self._replies.get(type(message))
             future = waiters.popleft() if waiters else None
             if future is not None and not future.done():
-                future.set_result(message[1])
+                future.set_result(message)
+        else:
+            log.error("the engine worker sent an unknown message %r", message)
 
     def _worker_died(self, exitcode: int | None) -> None:
         if self._stopping:
@@ -156,53 +162,53 @@ class Supervisor:
         if self._ready is not None and not self._ready.done():
             self._ready.set_result(None)      # it died while loading: whoever waits for it gets an answer
         for stream in self._streams.values():
-            stream.queue.put_nowait(("lost", f"{reason}; the request was lost and can be sent again"))
+            stream.queue.put_nowait(Lost(f"{reason}; the request was lost and can be sent again"))
         self._streams.clear()
         for future in (f for waiters in self._replies.values() for f in waiters):
             if not future.done():
                 future.set_exception(EngineUnavailable(reason))
         self._replies.clear()
-        if self.state == "error" and self.fitted_context is None:
+        if self.state is EngineState.ERROR and self.fitted_context is None:
             return                       # it never came up: do not loop on a broken configuration
-        if self.state in ("parked", "parking"):
+        if self.state in (EngineState.PARKED, EngineState.PARKING):
             # The GPU was given away: a new worker would take it back. The next unpark starts one.
             log.warning("%s while parked; it starts again at the next unpark (context %s)", reason,
                         self.fitted_context)
-            self.state = "parked"
+            self.state = EngineState.PARKED
             return
         log.error("%s; restarting it at context %s", reason, self.fitted_context)
-        self.state, self.error = "error", reason
+        self.state, self.error = EngineState.ERROR, reason
         self.restarts += 1
         self._loop.call_later(self._restart_delay, lambda: asyncio.ensure_future(self._spawn()))
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, fields: dict) -> Stream:
-        if self.state != "ready":
+        if self.state is not EngineState.READY:
             raise EngineUnavailable(f"the engine is {self.state}" + (f": {self.error}" if self.error else ""))
         self.last_activity = time.monotonic()
         stream = Stream(f"r{next(self._ids)}")
         self._streams[stream.id] = stream
-        self._send("submit", stream.id, fields)
+        self._send(Submit(stream.id, fields))
         return stream
 
     def cancel(self, stream: Stream) -> None:
         if stream.id in self._streams and self._conn is not None:
-            self._send("cancel", stream.id)
+            self._send(Cancel(stream.id))
 
     @property
     def in_flight(self) -> int:
         return len(self._streams)
 
-    async def _call(self, kind: str, reply: str, timeout: float = 600.0) -> dict:
+    async def _call(self, question, reply: type, timeout: float = 600.0):
         future = self._loop.create_future()
         self._replies[reply].append(future)
-        self._send(kind)
+        self._send(question)
         return await asyncio.wait_for(future, timeout)
 
     async def stats(self) -> dict:
-        if self.state not in ("ready", "parked"):
+        if self.state not in (EngineState.READY, EngineState.PARKED):
             return {}
-        return await self._call("stats", "stats", timeout=10)
+        return (await self._call(StatsQuery(), Stats, timeout=10)).info
 
     async def park(self, mode: str = "wait") -> dict:
         """Free the GPU: "wait" lets the requests in flight finish (new ones get 503 meanwhile), "abort" cancels
@@ -211,26 +217,27 @@ class Supervisor:
 
     async def _park(self, mode: str) -> dict:
         async with self._transition:
-            if self.state == "parked":
+            if self.state is EngineState.PARKED:
                 return {"already": True, "bytes_freed": 0, "context": self.fitted_context}
-            if self.state != "ready":
+            if self.state is not EngineState.READY:
                 raise EngineUnavailable(f"the engine is {self.state}; it cannot be parked now")
-            self.state = "parking"
+            self.state = EngineState.PARKING
             try:
                 while mode == "wait" and self._streams and self._conn is not None:
                     await asyncio.sleep(0.02)
-                info = await self._call("park", "parked")
+                parked = await self._call(Park(), Parked)
+                info = {"bytes_freed": parked.bytes_freed, "context": parked.context}
             except EngineUnavailable:
                 if self._conn is not None:
-                    self.state = "ready"
+                    self.state = EngineState.READY
                     raise
                 # The worker died on the way: nothing holds the GPU, which is what a park is for.
                 info = {"bytes_freed": None, "context": self.fitted_context}
             except BaseException:
-                if self.state == "parking":
-                    self.state = "ready"
+                if self.state is EngineState.PARKING:
+                    self.state = EngineState.READY
                 raise
-            self.state = "parked"
+            self.state = EngineState.PARKED
             return info
 
     async def unpark(self) -> dict:
@@ -239,17 +246,17 @@ class Supervisor:
 
     async def _unpark(self) -> dict:
         async with self._transition:
-            if self.state == "ready":
+            if self.state is EngineState.READY:
                 return {"already": True, "context": self.fitted_context}
-            if self.state != "parked":
+            if self.state is not EngineState.PARKED:
                 raise EngineUnavailable(f"the engine is {self.state}; nothing to unpark")
             if self._conn is None:
                 await self._spawn()
-                if self.state != "ready":
+                if self.state is not EngineState.READY:
                     raise EngineUnavailable(f"the engine worker did not start: {self.error}")
                 return {"context": self.fitted_context, "restarted": True}
-            info = await self._call("unpark", "unparked")
-            self.state = "ready"
+            info = (await self._call(Unpark(), Unparked)).info
+            self.state = EngineState.READY
             return info
 
     def kill_worker(self) -> None:

@@ -1,10 +1,7 @@
 """The engine worker: a child process that owns the model, the engine and the prefix cache.
 
-The daemon talks to it over one duplex pipe with small messages (token ids, not tensors):
-  daemon -> worker: ("submit", id, fields) ("cancel", id) ("park",) ("unpark",) ("stats",) ("stop",)
-  worker -> daemon: ("ready", info) ("token", id, token, text) ("finish", id, result)
-                    ("rejected", id, message) ("parked", info) ("unparked", info) ("stats", info)
-A CUDA error is sticky in a CUDA context, so the daemon restarts the whole process when it dies.
+The daemon talks to it over one duplex pipe with small messages (token ids, not tensors), the dataclasses of
+server/messages.py. A CUDA error is sticky in a CUDA context, so the daemon restarts the whole process when it dies.
 """
 
 from __future__ import annotations
@@ -13,6 +10,9 @@ import logging
 import threading
 import time
 import traceback
+
+from .messages import (Cancel, Failed, Finished, Park, Parked, Ready, RejectReason, Rejected, Result, Stats,
+                       StatsQuery, Stop, Submit, Token, Unpark, Unparked)
 
 log = logging.getLogger("qwen4exp.worker")
 
@@ -27,7 +27,7 @@ class Worker:
         self.requests: dict[str, object] = {}
         self.plan: dict | None = options.get("plan")    # the context fit's plan, when max_ctx is "auto"
 
-    def send(self, *message) -> None:
+    def send(self, message) -> None:
         with self.send_lock:
             self.conn.send(message)
 
@@ -81,7 +81,7 @@ class Worker:
             self.plan = choice.fit.plan.to_dict()
         return choice.context
 
-    def park(self) -> dict:
+    def park(self) -> Parked:
         import gc
 
         import torch
@@ -96,36 +96,36 @@ class Worker:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             freed = before - torch.cuda.memory_allocated()
-        return {"seconds": round(time.perf_counter() - started, 3), "bytes_freed": freed,
-                "context": self.fitted_context}
+        return Parked(seconds=round(time.perf_counter() - started, 3), bytes_freed=freed, context=self.fitted_context)
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, request_id: str, fields: dict) -> None:
-        from ..engine.request import Request, RequestRejected
+        from ..engine.request import QueueFull, Request, RequestRejected
         from ..engine.sampling import SamplingParams
 
         if self.engine is None:
-            self.send("rejected", request_id, "the engine is parked")
+            self.send(Rejected(request_id, RejectReason.PARKED, "the engine is parked"))
             return
         try:
             request = Request(
                 prompt_ids=list(fields["prompt_ids"]), max_tokens=fields["max_tokens"],
                 sampling=SamplingParams.from_dict(fields.get("sampling", {})),
                 stop_token_ids=tuple(fields.get("stop_token_ids", ())), stop=tuple(fields.get("stop", ())),
-                on_token=lambda r, token, text: self.send("token", r.id, token, text),
+                on_token=lambda r, token, text: self.send(Token(r.id, token, text)),
                 on_finish=self._finished, id=request_id)
             self.requests[request_id] = request
             self.engine.submit(request)
         except (RequestRejected, ValueError) as err:
             self.requests.pop(request_id, None)
-            self.send("rejected", request_id, str(err))
+            reason = RejectReason.QUEUE_FULL if isinstance(err, QueueFull) else RejectReason.INVALID
+            self.send(Rejected(request_id, reason, str(err)))
 
     def _finished(self, request) -> None:
         self.requests.pop(request.id, None)
-        self.send("finish", request.id, {
-            "finish_reason": request.finish_reason.value, "error": request.error, "text": request.text,
-            "output_ids": request.output_ids, "prompt_tokens": len(request.prompt_ids),
-            "cached_tokens": request.cached_tokens, "timings": request.timings()})
+        self.send(Finished(request.id, Result(
+            finish_reason=request.finish_reason.value, error=request.error, text=request.text,
+            output_ids=request.output_ids, prompt_tokens=len(request.prompt_ids),
+            cached_tokens=request.cached_tokens, timings=request.timings())))
 
     def stats(self) -> dict:
         engine = self.engine
@@ -141,29 +141,30 @@ class Worker:
     # ---- the command loop -------------------------------------------------------------------------
     def serve(self) -> None:
         try:
-            self.send("ready", self.load())
+            self.send(Ready(self.load()))
         except Exception as err:  # noqa: BLE001 - report why the engine could not start, then exit
-            self.send("failed", f"{type(err).__name__}: {err}", traceback.format_exc())
+            self.send(Failed(f"{type(err).__name__}: {err}", traceback.format_exc()))
             return
         while True:
             try:
                 message = self.conn.recv()
             except EOFError:
                 break
-            kind = message[0]
-            if kind == "submit":
-                self.submit(message[1], message[2])
-            elif kind == "cancel":
+            if isinstance(message, Submit):
+                self.submit(message.id, message.fields)
+            elif isinstance(message, Cancel):
                 if self.engine is not None:
-                    self.engine.cancel(message[1])
-            elif kind == "park":
-                self.send("parked", self.park())
-            elif kind == "unpark":
-                self.send("unparked", self.load() if self.engine is None else {"context": self.fitted_context})
-            elif kind == "stats":
-                self.send("stats", self.stats())
-            elif kind == "stop":
+                    self.engine.cancel(message.id)
+            elif isinstance(message, Park):
+                self.send(self.park())
+            elif isinstance(message, Unpark):
+                self.send(Unparked(self.load() if self.engine is None else {"context": self.fitted_context}))
+            elif isinstance(message, StatsQuery):
+                self.send(Stats(self.stats()))
+            elif isinstance(message, Stop):
                 break
+            else:
+                raise TypeError(f"the engine worker got an unknown message {message!r}")
         if self.engine is not None:
             self.engine.stop()
 
