@@ -234,3 +234,41 @@ def test_plan_takes_its_settings_from_a_profile(tmp_path, capsys, no_cpu_limit):
     doc = json.loads(capsys.readouterr().out)
     assert doc["device_memory_limit"] == 256 * MiB          # from the profile
     assert doc["slots"] == 3                                 # the flag wins over the profile
+
+
+class _Recorded(Exception):
+    pass
+
+
+def test_plan_and_serve_fit_the_same_profile_with_the_same_settings(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                     no_cpu_limit):
+    """`qwen4exp plan --profile P` and the worker `serve` starts for P call the fit with the same settings: the
+    chunk it must hold (the profile's 512, not the planner's default 256), where snapshots live, the limit."""
+    import inspect
+
+    from qwen4exp.cli import resolve_model
+    from qwen4exp.config import load_settings
+    from qwen4exp.plan_cli import main as plan
+    from qwen4exp.server.settings_bridge import engine_options
+    from qwen4exp.server.worker import Worker
+
+    calls = []
+
+    def record(model, **kwargs):
+        bound = inspect.signature(fit_context).bind(model, **kwargs)
+        bound.apply_defaults()
+        calls.append({k: v for k, v in bound.arguments.items() if k != "model"})
+        raise _Recorded
+
+    monkeypatch.setattr(fit_module, "fit_context", record)
+    profile = tmp_path / "box.toml"
+    profile.write_text(f'model = "{tiny_checkpoint}"\nslots = 2\nmax_ctx = "auto"\nchunk = 512\n'
+                       'device_memory_limit = "256MiB"\n[[devices]]\nname = "cpu"\nrole = "target"\n')
+    with pytest.raises(_Recorded):
+        plan(["--profile", str(profile)])
+    options = engine_options(load_settings(profile), resolve_model)
+    with pytest.raises(_Recorded):
+        Worker(options.to_dict() | {"fitted_context": None}, conn=None).load()
+    planned, served = calls
+    assert planned["chunk_floor"] == 512 and planned["slots"] == 2 and planned["memory_limit"] == 256 * MiB
+    assert planned == served

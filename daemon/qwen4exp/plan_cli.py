@@ -22,6 +22,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--slots", type=int, default=None, help="slots, each at the full context (default 4)")
     plan.add_argument("--max-ctx", default=None,
                       help="'auto' fits the context; a number is checked against the budget instead")
+    plan.add_argument("--chunk", default=None,
+                      help="the serving prompt chunk in tokens, or 'auto' (2048 on a GPU, 64 on the CPU): the fit "
+                           "holds it, rounded up to the planner's 256-row granule, at the last position")
     plan.add_argument("--device-memory-limit", default=None, metavar="SIZE",
                       help="cap this process's memory on the device, e.g. 32GiB, 512MiB, 1.5GB or bytes")
     plan.add_argument("--snapshots", choices=["auto", "host", "device"], default=None,
@@ -51,19 +54,30 @@ def parse_limit(text: str | None) -> int | None:
 
 
 def _snapshots_on_device(choice: str, device) -> bool:
-    """Snapshots share the device's memory on the CPU and on unified-memory GPUs; beside a discrete GPU
-    they go to pinned host memory."""
+    """--snapshots, or for "auto" the rule `serve` follows (engine/snapshot.py)."""
     if choice != "auto":
         return choice == "device"
-    if device.type == "cpu":
-        return True
-    import torch
-    return bool(getattr(torch.cuda.get_device_properties(device), "is_integrated", False))
+    from .engine.snapshot import snapshots_share_device_memory
+    return snapshots_share_device_memory(device)
+
+
+def _chunk(choice: str, device) -> int:
+    """--chunk, or for "auto" the rule profiles follow (config/schema.py's AUTO_CHUNK)."""
+    from .config.schema import AUTO_CHUNK
+    if choice == "auto":
+        return AUTO_CHUNK[device.type]
+    try:
+        chunk = int(choice)
+    except ValueError:
+        raise ValueError(f"--chunk must be 'auto' or a number of tokens, got {choice!r}") from None
+    if chunk <= 0:
+        raise ValueError(f"--chunk must be more than 0 tokens, got {chunk}")
+    return chunk
 
 
 def _fill_from_profile(args: argparse.Namespace) -> None:
     """Flags given on the command line win; the rest come from --profile, else the defaults."""
-    values = {"model": "tiny", "device": "auto", "dtype": "auto", "slots": 4, "max_ctx": "auto",
+    values = {"model": "tiny", "device": "auto", "dtype": "auto", "slots": 4, "max_ctx": "auto", "chunk": "auto",
               "snapshots": "auto", "device_memory_limit": None}
     if args.profile is not None:
         from .config import ConfigError, load_settings
@@ -74,7 +88,8 @@ def _fill_from_profile(args: argparse.Namespace) -> None:
         target, keeper = settings.target, settings.snapshot_device
         limit = settings.memory_limit_for(target)
         values.update(model=settings.model, device=target.name, dtype=settings.dtype, slots=settings.slots,
-                      max_ctx=str(settings.max_ctx), device_memory_limit=None if limit is None else str(limit),
+                      max_ctx=str(settings.max_ctx), chunk=str(settings.chunk_tokens),
+                      device_memory_limit=None if limit is None else str(limit),
                       snapshots="auto" if keeper is None else ("host" if keeper.name == "cpu" and
                                                                target.name != "cpu" else "device"))
     for key, value in values.items():
@@ -84,7 +99,7 @@ def _fill_from_profile(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from .cli import resolve_model
-    from .engine.fit import FitError, fit_context, resolve_max_ctx
+    from .engine.fit import FitError, fit_context, floor_chunk, resolve_max_ctx
     from .engine.loading import load_model, resolve_device
     from .engine.memory import as_device, set_device_memory_limit
 
@@ -92,6 +107,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         limit = parse_limit(args.device_memory_limit)
         device = as_device(resolve_device(args.device))
+        chunk = _chunk(args.chunk, device)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
@@ -99,7 +115,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model = load_model(str(model_dir), dtype=dtype, device=device, progress=not args.json)
     snapshots = _snapshots_on_device(args.snapshots, device)
     settings: dict[str, Any] = dict(slots=args.slots, device=device, snapshots_on_device=snapshots,
-                                    headroom=args.headroom, verify=not args.no_verify)
+                                    chunk_floor=floor_chunk(chunk), memory_limit=limit, headroom=args.headroom,
+                                    verify=not args.no_verify)
     try:
         if limit is not None:
             set_device_memory_limit(device, limit)
@@ -110,7 +127,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (FitError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
     header = {"model": str(model_dir), "device": str(device), "dtype": dtype, "slots": args.slots,
-              "max_ctx": args.max_ctx, "device_memory_limit": limit,
+              "max_ctx": args.max_ctx, "chunk": chunk, "device_memory_limit": limit,
               "snapshots": "device" if snapshots else "host"}
     if args.json:
         print(json.dumps(_as_json(header, result)))

@@ -61,6 +61,12 @@ class FitResult:
     notes: list[str] = field(default_factory=list)
 
 
+def floor_chunk(chunk: int) -> int:
+    """The chunk the fit must hold at the last position: the serving chunk rounded up to the planner's chunk
+    granule (CHUNK_ROWS), the same for `serve` and `plan`."""
+    return -(-chunk // _core.CHUNK_ROWS) * _core.CHUNK_ROWS
+
+
 @dataclass(frozen=True)
 class ContextChoice:
     """The context to serve: a number that was given (`fit` is None), or the fitted one."""

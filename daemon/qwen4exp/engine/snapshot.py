@@ -52,6 +52,12 @@ def pin_in_threads() -> None:
         torch.cuda.memory._set_allocator_settings(settings)
 
 
+def snapshots_share_device_memory(device: torch.device) -> bool:
+    """Whether prefix snapshots take memory the slots could have used, so the fit reserves them: on the CPU and
+    on a unified-memory GPU they do; beside a discrete GPU they live in pinned host memory."""
+    return device.type == "cpu" or SnapshotBackend.for_device(device).tier == "device"
+
+
 @dataclass
 class SnapshotBackend:
     """Where snapshots live: `tier` is "host" (pinned or plain system memory) or "device"."""

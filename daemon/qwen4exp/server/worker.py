@@ -51,8 +51,7 @@ class Worker:
         # A context fitted before (by this worker before a park, or by the one before a restart) is kept: a new
         # fit could land elsewhere, and the snapshots and the clients count on the context.
         fitted_now = self.fitted_context is None and o["max_ctx"] == "auto"
-        context = self.fitted_context or self._context(model, device, backend.tier == "device" or
-                                                        device.type == "cpu")
+        context = self.fitted_context or self._context(model, device)
         self.fitted_context = context
         spacing = o["restore_spacing"] or o["chunk"]
         if o["prefix_cache"] and self.cache is None:
@@ -69,13 +68,14 @@ class Worker:
                 "device": str(device), "vocab_size": model.config.vocab_size,
                 "gpu_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else 0}
 
-    def _context(self, model, device, snapshots_on_device: bool) -> int:
+    def _context(self, model, device) -> int:
         """The profile's number (checked), or the fit measured on this device for "auto"."""
-        from ..engine.fit import resolve_max_ctx
+        from ..engine.fit import floor_chunk, resolve_max_ctx
+        from ..engine.snapshot import snapshots_share_device_memory
         o = self.options
-        rows = -(-o["chunk"] // 256) * 256       # the planner's chunks are whole multiples of 256 rows
-        choice = resolve_max_ctx(o["max_ctx"], model, slots=o["slots"], device=device, chunk_floor=rows,
-                                 memory_limit=o["device_memory_limit"], snapshots_on_device=snapshots_on_device)
+        choice = resolve_max_ctx(o["max_ctx"], model, slots=o["slots"], device=device,
+                                 chunk_floor=floor_chunk(o["chunk"]), memory_limit=o["device_memory_limit"],
+                                 snapshots_on_device=snapshots_share_device_memory(device))
         if choice.fit is not None:
             log.info("fitted context %d tokens:\n%s", choice.context, choice.fit.plan.table())
             self.plan = choice.fit.plan.to_dict()
