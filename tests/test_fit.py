@@ -98,8 +98,10 @@ def test_out_of_memory_while_measuring_the_chunk_counts_as_a_miss_there(model, f
 
     monkeypatch.setattr(fit_module, "measure_workspace", out_of_memory_past_8192)
     result = _fit(model, 512 * MiB)
-    assert refused and refused[0] == fit512.context         # the first answer's sample ran out of memory
-    assert result.context < fit512.context and result.verifications[-1].fits
+    # The first answer (where the unpatched fit lands, give or take a step of CPU noise) could not be measured;
+    # counted as a miss there, it moves the answer below it.
+    assert refused and abs(refused[0] - fit512.context) <= STEP
+    assert result.context < refused[0] and result.verifications[-1].fits
     assert any(f"out of memory measuring the chunk at {refused[0]}" in note for note in result.notes)
 
 
@@ -246,7 +248,7 @@ def test_plan_and_serve_fit_the_same_profile_with_the_same_settings(tiny_checkpo
     chunk it must hold (the profile's 512, not the planner's default 256), where snapshots live, the limit."""
     import inspect
 
-    from qwen4exp.cli import resolve_model
+    from qwen4exp.model_dir import resolve_model
     from qwen4exp.config import load_settings
     from qwen4exp.plan_cli import main as plan
     from qwen4exp.server.settings_bridge import engine_options

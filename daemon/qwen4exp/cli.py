@@ -8,22 +8,9 @@ import logging
 import sys
 from pathlib import Path
 
+from .model_dir import resolve_model
+
 PRESET_MODELS = ("tiny", "bench", "full")
-
-
-EMBEDDED_MODEL = Path(__file__).parent / "assets" / "tiny_model"
-
-
-def resolve_model(name: str) -> Path:
-    """A checkpoint directory, or `tiny`: the embedded default, a small qwen4_exp trained on a public-domain
-    text that ships inside the package (see assets/tiny_model/README.md)."""
-    path = Path(name)
-    if path.is_dir():
-        return path
-    if name == "tiny" and (EMBEDDED_MODEL / "config.json").exists():
-        return EMBEDDED_MODEL
-    raise SystemExit(f"error: --model {name!r} is neither a checkpoint directory nor 'tiny' "
-                     f"(write random-weight checkpoints with `qwen4exp init-checkpoint --preset tiny|bench|full`)")
 
 
 def _parse_ids(text: str) -> list[int]:

@@ -98,7 +98,7 @@ def _fill_from_profile(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .cli import resolve_model
+    from .model_dir import resolve_model
     from .engine.fit import FitError, fit_context, floor_chunk, resolve_max_ctx
     from .engine.loading import load_model, resolve_device
     from .engine.memory import as_device, set_device_memory_limit

@@ -6,42 +6,24 @@ import asyncio
 import hmac
 import logging
 import time
-from dataclasses import dataclass
 
 from aiohttp import web
 
+from . import generate_api, openai_api
 from .connections import ConnectionGuard
 from .errors import ApiError, EngineUnavailable, error_middleware, parse_json, read_body
 from .messages import EngineState
 from .metrics import render_metrics
+from .openapi import openapi
 from .options import EngineOptions
-from .prepare import Prepared, Preparer
+from .prepare import Preparer
+from .shared import ENGINE_OPTIONS, GUARD, OPTIONS, PREPARER, STARTED, SUPERVISOR, ServerOptions
 from .supervisor import Supervisor
 
-
-@dataclass(frozen=True)
-class ServerOptions:
-    model_name: str = "qwen4exp"
-    api_key: str | None = None
-    admin_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    wake_on_request: bool = False
-    park_after_idle: float | None = None      # seconds without requests before an automatic park
-    default_max_tokens: int = 256
-    request_timeout: float | None = 600.0     # queue + prefill + decode of one request
-    header_timeout: float = 10.0              # a connection's request headers, and its idle time between requests
-    body_timeout: float = 60.0                # a request's body, once its headers arrived
-    max_connections: int = 1024               # open at once; past it, new connections get 503 and are closed
+__all__ = ["GUARD", "SUPERVISOR", "ServerOptions", "create_app"]
 
 
 log = logging.getLogger("qwen4exp.server")
-SUPERVISOR = web.AppKey("supervisor", Supervisor)
-PREPARER = web.AppKey("preparer", Preparer)
-GUARD = web.AppKey("guard", ConnectionGuard)
-OPTIONS = web.AppKey("options", ServerOptions)
-ENGINE_OPTIONS = web.AppKey("engine_options", EngineOptions)
-STARTED = web.AppKey("started", float)
-
 INFERENCE_PATHS = ("/generate", "/v1/")
 ADMIN_PATHS = ("/park", "/unpark")
 
@@ -69,28 +51,6 @@ async def auth_middleware(request: web.Request, handler):
     if request.path.startswith(INFERENCE_PATHS) and not _authorised(request, request.app[OPTIONS].api_key):
         raise ApiError(401, "this endpoint needs 'Authorization: Bearer <api key>'", "authentication_error")
     return await handler(request)
-
-
-def request_timeout(app: web.Application) -> float | None:
-    return app[OPTIONS].request_timeout
-
-
-async def prepared_request(request: web.Request, endpoint: str) -> Prepared:
-    """The request's body read (within server.body_timeout) and prepared for the engine off the event loop."""
-    raw = await read_body(request, request.app[OPTIONS].body_timeout)
-    return await request.app[PREPARER].prepare(endpoint, raw, request.app[SUPERVISOR].fitted_context)
-
-
-async def ensure_serving(app: web.Application) -> Supervisor:
-    """The supervisor, after waking a parked engine when the profile says so (its submit answers 503 while the
-    engine is not serving, saying why)."""
-    supervisor = app[SUPERVISOR]
-    if supervisor.state is EngineState.PARKED and app[OPTIONS].wake_on_request:
-        try:
-            await supervisor.unpark()
-        except EngineUnavailable:
-            pass                          # the state says why; submit reports it
-    return supervisor
 
 
 async def health(request: web.Request) -> web.Response:
@@ -162,10 +122,6 @@ async def unpark(request: web.Request) -> web.Response:
 
 
 def create_app(engine_options: EngineOptions, options: ServerOptions) -> web.Application:
-    from .generate_api import routes as generate_routes
-    from .openai_api import routes as openai_routes
-    from .openapi import openapi
-
     guard = ConnectionGuard(options.header_timeout, options.max_connections)
     app = web.Application(middlewares=[guard.middleware, error_middleware, auth_middleware],
                           client_max_size=options.max_body_bytes)
@@ -178,8 +134,8 @@ def create_app(engine_options: EngineOptions, options: ServerOptions) -> web.App
     app.router.add_post("/park", park)
     app.router.add_post("/unpark", unpark)
     app.router.add_get("/openapi.json", openapi)
-    app.router.add_routes(generate_routes)
-    app.router.add_routes(openai_routes)
+    app.router.add_routes(generate_api.routes)
+    app.router.add_routes(openai_api.routes)
     app.cleanup_ctx.append(_engine_lifecycle)
     return app
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from .app import ensure_serving, prepared_request, request_timeout
+from .shared import ensure_serving, prepared_request, request_timeout
 from .messages import Result, Token
 from .runner import collect, events, stream_response
 

@@ -11,7 +11,7 @@ import uuid
 
 from aiohttp import web
 
-from .app import OPTIONS, ensure_serving, prepared_request, request_timeout
+from .shared import OPTIONS, ensure_serving, prepared_request, request_timeout
 from .messages import Result, Token
 from .runner import collect, events, stream_response
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .app import ServerOptions
+from .shared import ServerOptions
 from .options import EngineOptions
 
 

@@ -1,0 +1,60 @@
+"""What the app's handlers share: the server's options, the application's keys, and the steps every inference
+endpoint takes (read and prepare the body, wake a parked engine, the request deadline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from .connections import ConnectionGuard
+from .errors import EngineUnavailable, read_body
+from .messages import EngineState
+from .options import EngineOptions
+from .prepare import Prepared, Preparer
+from .supervisor import Supervisor
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    model_name: str = "qwen4exp"
+    api_key: str | None = None
+    admin_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    wake_on_request: bool = False
+    park_after_idle: float | None = None      # seconds without requests before an automatic park
+    default_max_tokens: int = 256
+    request_timeout: float | None = 600.0     # queue + prefill + decode of one request
+    header_timeout: float = 10.0              # a connection's request headers, and its idle time between requests
+    body_timeout: float = 60.0                # a request's body, once its headers arrived
+    max_connections: int = 1024               # open at once; past it, new connections get 503 and are closed
+
+
+SUPERVISOR = web.AppKey("supervisor", Supervisor)
+PREPARER = web.AppKey("preparer", Preparer)
+GUARD = web.AppKey("guard", ConnectionGuard)
+OPTIONS = web.AppKey("options", ServerOptions)
+ENGINE_OPTIONS = web.AppKey("engine_options", EngineOptions)
+STARTED = web.AppKey("started", float)
+
+
+def request_timeout(app: web.Application) -> float | None:
+    return app[OPTIONS].request_timeout
+
+
+async def prepared_request(request: web.Request, endpoint: str) -> Prepared:
+    """The request's body read (within server.body_timeout) and prepared for the engine off the event loop."""
+    raw = await read_body(request, request.app[OPTIONS].body_timeout)
+    return await request.app[PREPARER].prepare(endpoint, raw, request.app[SUPERVISOR].fitted_context)
+
+
+async def ensure_serving(app: web.Application) -> Supervisor:
+    """The supervisor, after waking a parked engine when the profile says so (its submit answers 503 while the
+    engine is not serving, saying why)."""
+    supervisor = app[SUPERVISOR]
+    if supervisor.state is EngineState.PARKED and app[OPTIONS].wake_on_request:
+        try:
+            await supervisor.unpark()
+        except EngineUnavailable:
+            pass                          # the state says why; submit reports it
+    return supervisor
