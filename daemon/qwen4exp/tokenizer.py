@@ -7,6 +7,7 @@ by a sandboxed jinja2 environment, with the same whitespace options as transform
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import re
 import secrets
@@ -64,9 +65,6 @@ class Tokenizer:
         # Longest first, so a special string that contains another is matched whole.
         self._specials = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) \
             if specials else None
-        # The same vocabulary with special-token strings read as plain text (for what users wrote).
-        self._plain = HFTokenizer.from_str(hf.to_str())
-        self._plain.encode_special_tokens = True
         self._template = None
         if chat_template is not None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -100,6 +98,14 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in it (e.g. from the chat template) become their ids."""
         return self._hf.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _plain(self) -> HFTokenizer:
+        """The same vocabulary with special-token strings read as plain text (for what users wrote); built on
+        first use, since only chat requests need it."""
+        plain = HFTokenizer.from_str(self._hf.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` with every character read as text: `<|im_end|>` in it is not the special token."""

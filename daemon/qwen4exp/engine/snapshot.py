@@ -52,10 +52,15 @@ def pin_in_threads() -> None:
         torch.cuda.memory._set_allocator_settings(settings)
 
 
+def _unified_memory(device: torch.device) -> bool:
+    """A GPU whose memory is the system's (an integrated GPU, e.g. Strix Halo)."""
+    return device.type == "cuda" and torch.cuda.get_device_properties(device).is_integrated
+
+
 def snapshots_share_device_memory(device: torch.device) -> bool:
     """Whether prefix snapshots take memory the slots could have used, so the fit reserves them: on the CPU and
     on a unified-memory GPU they do; beside a discrete GPU they live in pinned host memory."""
-    return device.type == "cpu" or SnapshotBackend.for_device(device).tier == "device"
+    return device.type == "cpu" or _unified_memory(device)
 
 
 @dataclass
@@ -67,9 +72,9 @@ class SnapshotBackend:
 
     @classmethod
     def for_device(cls, device: torch.device) -> "SnapshotBackend":
+        if _unified_memory(device):
+            return cls(device, pinned=False, tier="device")       # the device's memory is the system's
         if device.type == "cuda":
-            if torch.cuda.get_device_properties(device).is_integrated:
-                return cls(device, pinned=False, tier="device")   # unified memory: the device's is the system's
             pin_in_threads()
             return cls(torch.device("cpu"), pinned=True, tier="host")
         return cls(torch.device("cpu"), pinned=False, tier="host")

@@ -46,16 +46,17 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
                                   "usage": _usage(result)})
     base = {"id": ident, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
             "created": created, "model": model}
-    streamed: list[str] = []
+    sent = 0                                   # characters streamed so far
 
     def render(event: Token | Result):
+        nonlocal sent
         if isinstance(event, Token):
             if not event.text:
                 return []
-            streamed.append(event.text)
+            sent += len(event.text)
             return [base | {"choices": [choice(event.text, None, True)]}]
         # Bytes held back until the end (an incomplete character) arrive with the last chunk.
-        tail = event.text[len("".join(streamed)):]
+        tail = event.text[sent:]
         last = [base | {"choices": [choice(tail, event.finish_reason, True)]}]
         return last + ([base | {"choices": [], "usage": _usage(event)}] if prepared.include_usage else [])
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from .errors import ApiError
+from .errors import ApiError, EngineUnavailable
 from .messages import Finished, RejectReason, Rejected, Result, Token
 from .supervisor import Lost, Supervisor
 
@@ -30,12 +30,13 @@ RETRY_AFTER = {"Retry-After": "5"}
 
 @dataclass
 class Progress:
-    """What a request got so far, for the answer that reports why it ended early."""
+    """What a request got so far, for the answer that reports why it ended early (the text is joined only then,
+    not once per token)."""
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)
 
     def partial(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "completion_tokens": len(self.token_ids)}
+        return {"text": "".join(self.pieces), "token_ids": self.token_ids, "completion_tokens": len(self.token_ids)}
 
 
 def _rejected(rejected: Rejected) -> ApiError:
@@ -43,7 +44,7 @@ def _rejected(rejected: Rejected) -> ApiError:
     if rejected.reason is RejectReason.QUEUE_FULL:
         return ApiError(429, rejected.message, "rate_limit_error", headers={"Retry-After": "1"})
     if rejected.reason is RejectReason.PARKED:
-        return ApiError(503, rejected.message, "server_error", headers=RETRY_AFTER)
+        return EngineUnavailable(rejected.message)
     return ApiError(400, rejected.message)
 
 
@@ -72,7 +73,7 @@ async def events(supervisor: Supervisor, fields: dict, timeout: float | None) ->
                                 f"{phase}", progress, {"x-should-retry": "false"}) from None
             if isinstance(event, Token):
                 progress.token_ids.append(event.token)
-                progress.text += event.text
+                progress.pieces.append(event.text)
                 yield event
                 continue
             finished = True
