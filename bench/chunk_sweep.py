@@ -22,6 +22,7 @@ import json
 import torch
 from profile_step import add_model_arguments, bench_model
 from qwen4exp.engine.engine import Engine
+from qwen4exp.engine.engine_config import EngineConfig
 from qwen4exp.engine.fit_measure import measure_state, measure_workspace
 from speed import first_token, prompt_ids, release
 
@@ -49,7 +50,7 @@ def main() -> None:
     report["slot_state_bytes"] = {capacity: measure_state(model, device, capacity) for capacity in (4096, 8192)}
     report["prefill_s"] = {}
     for chunk in args.chunks:
-        engine = Engine(model, slots=4, context=args.prompt + chunk, chunk=chunk)
+        engine = Engine.from_config(model, EngineConfig(slots=4, max_ctx=args.prompt + chunk, chunk=chunk))
         first_token(engine, prompt_ids(chunk + 1, limit, 2), 1, device)
         engine.run_until_idle()
         _, seconds = first_token(engine, prompt_ids(args.prompt, limit, 500 + chunk), 1, device)

@@ -21,6 +21,7 @@ from profile_step import add_model_arguments, bench_model, submit_busy
 from torch.profiler import ProfilerActivity, profile
 
 from qwen4exp.engine.engine import Engine
+from qwen4exp.engine.engine_config import EngineConfig
 
 
 def trace(engine: Engine, busy: int, steps: int, limit: int) -> dict:
@@ -61,7 +62,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     model = bench_model(args.checkpoint, args.layers)
-    engine = Engine(model, slots=args.slots, context=args.context, chunk=4096)
+    engine = Engine.from_config(model, EngineConfig(slots=args.slots, max_ctx=args.context, chunk=4096))
     report = {}
     for busy in sorted({1, args.slots}):
         report[f"{busy}_busy"] = trace(engine, busy, args.steps, model.config.eos_token_id)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from qwen4exp.engine.engine import Engine
-from qwen4exp.engine.loading import load_model
+from qwen4exp.engine.engine_config import EngineConfig
 from qwen4exp.engine.request import Request
 
 
@@ -64,10 +64,12 @@ def main() -> None:
         from qwen4exp.checkpoint.writer import write_random_checkpoint
         write_random_checkpoint(args.checkpoint, preset="bench", layers=args.layers, seed=0, dtype=torch.bfloat16,
                                 device="cuda", progress=False)
-    model = load_model(args.checkpoint, dtype="bfloat16", device="cuda", progress=False)
+    config = EngineConfig(model=args.checkpoint, device="cuda", dtype="bfloat16", slots=4, max_ctx=8192,
+                          chunk=args.chunk)
+    _, model = config.load_model()
     limit = model.config.eos_token_id
     specs = [{"prompt_ids": p, "max_tokens": args.new_tokens} for p in prompts(limit)]
-    engine = Engine(model, slots=4, context=8192, chunk=args.chunk)
+    engine = Engine.from_config(model, config)
     alone = []
     for spec in specs:
         started = time.perf_counter()

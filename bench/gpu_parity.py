@@ -53,7 +53,6 @@ def reference_greedy(ckpt: str, prompt: torch.Tensor, new_tokens: int, dtype: to
 
 def our_greedy(ckpt: str, prompt: torch.Tensor, new_tokens: int, dtype: torch.dtype):
     from qwen4exp.engine.loading import load_model
-    from qwen4exp.engine.model.causal_lm import Segment
     started = time.perf_counter()
     model = load_model(ckpt, dtype=dtype, device="cuda", progress=False)
     load_s = time.perf_counter() - started
@@ -61,12 +60,12 @@ def our_greedy(ckpt: str, prompt: torch.Tensor, new_tokens: int, dtype: torch.dt
     ids, logits = [], []
     torch.cuda.synchronize()
     started = time.perf_counter()
-    step = model([Segment(prompt.cuda(), state)])[0]
+    step = model(prompt.cuda(), state)
     for _ in range(new_tokens):
         logits.append(step.float().cpu())
         ids.append(int(torch.argmax(step)))
         if len(ids) < new_tokens:
-            step = model([Segment(torch.tensor(ids[-1:], device="cuda"), state)])[0]
+            step = model(torch.tensor(ids[-1:], device="cuda"), state)
     torch.cuda.synchronize()
     gen_s = time.perf_counter() - started
     del model, state

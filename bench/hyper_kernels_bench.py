@@ -16,7 +16,7 @@ import torch
 
 from graph_timing import graph_us
 
-from qwen4exp.engine.model import hyper_kernels
+from qwen4exp.kernels import hyper as hyper_kernels
 from qwen4exp.engine.model.hyper import GatedResidual
 
 FEW = hyper_kernels.MIX_FEW

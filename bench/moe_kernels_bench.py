@@ -13,7 +13,7 @@ import torch
 import triton
 
 from qwen4exp.engine.model.moe import Experts
-from qwen4exp.engine.model.moe_kernels import (GROUPED_BLOCK_M, GROUPED_DOWN, GROUPED_GATE_UP, ROWS_DOWN,
+from qwen4exp.kernels.moe import (GROUPED_BLOCK_M, GROUPED_DOWN, GROUPED_GATE_UP, ROWS_DOWN,
                                                ROWS_GATE_UP, available, moe_grouped, moe_rows)
 
 

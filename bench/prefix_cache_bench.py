@@ -18,10 +18,8 @@ import time
 import torch
 
 from qwen4exp.engine.engine import Engine
-from qwen4exp.engine.loading import load_model
-from qwen4exp.engine.prefix_cache import PrefixCache
+from qwen4exp.engine.engine_config import EngineConfig
 from qwen4exp.engine.request import Request
-from qwen4exp.engine.snapshot import SnapshotBackend
 
 
 def ttft(engine: Engine, prompt: list[int], tokens: int) -> tuple[Request, float]:
@@ -50,14 +48,16 @@ def main() -> None:
         from qwen4exp.checkpoint.writer import write_random_checkpoint
         write_random_checkpoint(args.checkpoint, preset="bench", layers=args.layers, seed=0, dtype=torch.bfloat16,
                                 device="cuda", progress=False)
-    model = load_model(args.checkpoint, dtype="bfloat16", device="cuda", progress=False)
-    backend = SnapshotBackend.for_device(torch.device("cuda"))
-    cache = PrefixCache(args.chunk, 64 << 30, backend, model.config.indexer_compress_ratio)
-    engine = Engine(model, slots=4, context=args.prompt_tokens + 1024, chunk=args.chunk, prefix_cache=cache)
+    config = EngineConfig(model=args.checkpoint, device="cuda", dtype="bfloat16", slots=4,
+                          max_ctx=args.prompt_tokens + 1024, chunk=args.chunk, prefix_cache=True,
+                          prefix_cache_limit=64 << 30)
+    device, model = config.load_model()
+    cache = config.new_prefix_cache(model, device)
+    engine = Engine.from_config(model, config, prefix_cache=cache)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.eos_token_id, (args.prompt_tokens,), generator=g).tolist()
     ttft(engine, prompt[-2048:], 4)                 # warm up kernels (compiles) on another prompt
-    cache_free = Engine(model, slots=4, context=args.prompt_tokens + 1024, chunk=args.chunk)
+    cache_free = Engine.from_config(model, config)
     cold, cold_s = ttft(cache_free, prompt, 16)
     uneven = prompt[:args.prompt_tokens - 384]
     uneven_cold, uneven_cold_s = ttft(cache_free, uneven, 16)
@@ -72,7 +72,7 @@ def main() -> None:
     before = cache.counters.restore_seconds
     restored, restored_s = ttft(engine, short, 1)
     result = {
-        "device": torch.cuda.get_device_name(), "tier": backend.tier, "chunk": args.chunk,
+        "device": torch.cuda.get_device_name(), "tier": cache.backend.tier, "chunk": args.chunk,
         "prompt_tokens": len(prompt),
         "cold_ttft_s": cold_s, "cold_with_capture_ttft_s": first_s, "warm_ttft_s": warm_s,
         "warm_cached_tokens": warm.cached_tokens,

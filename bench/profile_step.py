@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from qwen4exp.checkpoint.random_weights import random_model
 from qwen4exp.engine.engine import Engine
+from qwen4exp.engine.engine_config import EngineConfig
 from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.request import Request
 
@@ -112,7 +113,8 @@ def main() -> None:
         engine = None
         try:
             started = time.perf_counter()
-            engine = Engine(model, slots=args.slots, context=context, chunk=args.prompt, **options)
+            engine = Engine.from_config(model, EngineConfig(slots=args.slots, max_ctx=context, chunk=args.prompt,
+                                                            **options))
             ready = time.perf_counter() - started
             timings[mode] = {"start_s": round(ready, 2)} | {
                 f"{busy}_busy_ms": round(decode_ms(engine, busy, 64, args.steps, limit), 3)
@@ -123,7 +125,8 @@ def main() -> None:
         del engine
     report.append(json.dumps(timings, indent=1))
 
-    engine = Engine(model, slots=args.slots, context=context, chunk=args.prompt, cuda_graphs=False)
+    engine = Engine.from_config(model, EngineConfig(slots=args.slots, max_ctx=context, chunk=args.prompt,
+                                                    cuda_graphs=False))
     requests = submit_busy(engine, 1, args.prompt, 4 * args.steps, limit, seed=0)
     for _ in range(3):
         engine.step()

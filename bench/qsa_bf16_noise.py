@@ -18,14 +18,13 @@ import torch
 from qwen4exp.checkpoint.writer import write_random_checkpoint
 from qwen4exp.engine.generate import generate
 from qwen4exp.engine.loading import load_model
-from qwen4exp.engine.model import qsa_kernels
-from qwen4exp.engine.model.causal_lm import Segment
+from qwen4exp.kernels import qsa_attention as qsa_kernels
 
 
 def all_logits(model, sequence: torch.Tensor, chunk: int | None) -> torch.Tensor:
     state = model.new_state(sequence.numel() + 8)
     step = chunk or sequence.numel()
-    return torch.cat([model([Segment(sequence[i:i + step], state)], all_logits=True)[0]
+    return torch.cat([model(sequence[i:i + step], state, all_logits=True)
                       for i in range(0, sequence.numel(), step)]).float()
 
 
@@ -35,7 +34,7 @@ def main() -> None:
         exact = load_model(checkpoint, dtype="float32", device="cpu", progress=False)
         low = load_model(checkpoint, dtype="bfloat16", device="cpu", progress=False)
     prompt = torch.randint(0, 1000, (120,), generator=torch.Generator().manual_seed(1))
-    sequence = torch.cat([prompt, torch.tensor(generate(exact, prompt.tolist(), max_tokens=64).token_ids)])
+    sequence = torch.cat([prompt, torch.tensor(generate(exact, prompt.tolist(), max_tokens=64).output_ids)])
     truth = all_logits(exact, sequence, None)
     generated = slice(prompt.numel() - 1, -1)
     top2 = truth[generated].topk(2, dim=-1).indices

@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from graph_timing import graph_us
-from qwen4exp.engine.model import qsa_kernels
+from qwen4exp.kernels import qsa_attention as qsa_kernels
 from qwen4exp.engine.model.qsa import token_lists
 
 HEADS, KV, DIM, INDEX_HEADS, INDEX_DIM, RATIO, TOPK = 24, 2, 256, 4, 128, 4, 512

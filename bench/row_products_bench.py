@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from graph_timing import graph_us
 
-from qwen4exp.engine.model import row_products
+from qwen4exp.kernels import row_products
 
 SHAPES = [(248320, 2560), (16480, 2560), (12288, 2560), (2560, 6144), (2560, 2560), (1793, 2560), (1024, 2560),
           (324, 10240), (10240, 320), (2560, 640)]

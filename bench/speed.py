@@ -58,10 +58,9 @@ from pathlib import Path
 import torch
 
 from qwen4exp.engine.engine import Engine
+from qwen4exp.engine.engine_config import EngineConfig
 from qwen4exp.engine.loading import DTYPES, load_model, resolve_device
-from qwen4exp.engine.prefix_cache import PrefixCache
 from qwen4exp.engine.request import FinishReason, Request
-from qwen4exp.engine.snapshot import SnapshotBackend
 
 GiB = 1 << 30
 GDN_CHUNK = 64  # the chunk size of the chunked Gated DeltaNet kernels (fla and ours)
@@ -303,12 +302,12 @@ def first_token(engine: Engine, prompt: list[int], max_tokens: int, device: torc
 
 
 class LogitsProbe:
-    """Keeps the LM head's outputs of eager forwards (prefill) to check they are finite; skips CUDA graph
-    captures, where reading them back is not allowed."""
+    """Keeps the logits of the model's prompt chunks to check they are finite; skips CUDA graph captures, where
+    reading them back is not allowed."""
 
     def __init__(self, model: torch.nn.Module):
         self.outputs: list[torch.Tensor] = []
-        self._handle = model.lm_head.register_forward_hook(self._keep)
+        self._handle = model.register_forward_hook(self._keep)
 
     def _keep(self, module, inputs, output) -> None:
         if not (output.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -378,12 +377,12 @@ def measure_prefill(engine: Engine, work: Work, tokens: int, limit: int, device:
 
 def measure_prefix_cache(model, args, limit: int, device: torch.device) -> dict:
     """Cold vs warm time to first token of a resent prompt, and one snapshot's restore time."""
-    backend = SnapshotBackend.for_device(device)
-    cache = PrefixCache(args.restore_spacing, int(args.cache_limit_gib * GiB), backend,
-                        model.config.indexer_compress_ratio)
     context = max(args.ttft_tokens, args.restore_tokens) + args.ttft_new_tokens + 1
-    engine = Engine(model, slots=args.slots, context=context, chunk=args.chunk, prefix_cache=cache,
-                    compile_decode=args.compile_decode)
+    config = EngineConfig(slots=args.slots, max_ctx=context, chunk=args.chunk, restore_spacing=args.restore_spacing,
+                          prefix_cache=True, prefix_cache_limit=int(args.cache_limit_gib * GiB),
+                          compile_decode=args.compile_decode)
+    cache = config.new_prefix_cache(model, device)
+    engine = Engine.from_config(model, config, prefix_cache=cache)
     prompt = prompt_ids(args.ttft_tokens, limit, 300)
     served, _ = first_token(engine, prompt_ids(16, limit, 301), 2, device)   # a running engine, as a server's
     engine.run_until_idle()
@@ -402,7 +401,7 @@ def measure_prefix_cache(model, args, limit: int, device: torch.device) -> dict:
     engine.run_until_idle()
     check([first, again], "the restore prompt")
     result = {
-        "tier": backend.tier, "chunk": args.chunk, "restore_spacing": args.restore_spacing,
+        "tier": cache.backend.tier, "chunk": args.chunk, "restore_spacing": args.restore_spacing,
         "prompt_tokens": len(prompt), "new_tokens": args.ttft_new_tokens,
         "cold_ttft_s": cold_s, "warm_ttft_s": warm_s, "speedup": cold_s / warm_s,
         "cold_cached_tokens": cold.cached_tokens, "warm_cached_tokens": warm.cached_tokens,
@@ -587,7 +586,8 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
                   args.chunk + 2, 64])
     context = args.context or -(-(needed + 1) // args.chunk) * args.chunk
     t = time.perf_counter()
-    engine = Engine(model, slots=args.slots, context=context, chunk=args.chunk, compile_decode=args.compile_decode)
+    engine = Engine.from_config(model, EngineConfig(slots=args.slots, max_ctx=context, chunk=args.chunk,
+                                                    compile_decode=args.compile_decode))
     sync(device)
     engine_s = time.perf_counter() - t
     t = time.perf_counter()

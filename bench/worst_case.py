@@ -19,8 +19,7 @@ import time
 import torch
 
 from qwen4exp.engine.engine import Engine
-from qwen4exp.engine.fit import fit_context
-from qwen4exp.engine.loading import load_model, resolve_device
+from qwen4exp.engine.engine_config import EngineConfig
 from qwen4exp.engine.memory import release_cached_blocks, set_device_memory_limit
 from qwen4exp.engine.request import Request
 
@@ -56,25 +55,26 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    device, limit = resolve_device(args.device), int(args.memory_limit_gib * 2**30)
+    limit = int(args.memory_limit_gib * 2**30)
+    config = EngineConfig(model=args.checkpoint, device=args.device, dtype=args.dtype, slots=args.slots,
+                          max_ctx="auto", chunk=args.chunk, device_memory_limit=limit)
     if args.checkpoint:
-        set_device_memory_limit(device, limit)
-        model = load_model(args.checkpoint, dtype=args.dtype, device=device, progress=False)
+        device, model = config.load_model()
     else:
         from qwen4exp.checkpoint.random_weights import random_model
         # Drawn in float32 first: build, then cap (a load from disk stays under the cap throughout).
+        device = config.torch_device()
         model = random_model(args.preset, args.layers, getattr(torch, args.dtype), device)
         set_device_memory_limit(device, limit)
         release_cached_blocks(device)
-    fit = fit_context(model, slots=args.slots, device=device, memory_limit=limit,
-                      chunk_floor=-(-args.chunk // 256) * 256, snapshots_on_device=device.type == "cpu")
+    fit = config.resolve_context(model, device).fit      # the fit `serve` runs for these settings
     context = fit.context
     over = fit.planner.evaluate(context + 4096)
     result = {"device": str(device), "memory_limit": limit, "slots": args.slots, "fitted_context": context,
               "fit_seconds": round(fit.seconds, 2), "plan": fit.plan.table(),
               "plus_4096_fits": all(p.fits for p in over),
               "plus_4096_shortfall": max((p.shortfall for p in over if not p.fits), default=0)}
-    engine = Engine(model, slots=args.slots, context=context, chunk=args.chunk)
+    engine = Engine.from_config(model, config, context=context)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     limit_id = model.config.eos_token_id

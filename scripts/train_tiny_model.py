@@ -322,11 +322,11 @@ def samples(model, tok: Tokenizer, max_tokens: int = 40) -> list[tuple[str, str]
     out = []
     stops = tuple(tok.eos_token_ids)
     for prompt in PROMPTS:
-        ids = generate(model, tok.encode(prompt), max_tokens, stop_ids=stops).token_ids
+        ids = generate(model, tok.encode(prompt), max_tokens, stop_ids=stops).output_ids
         out.append((prompt, tok.decode(ids, skip_special_tokens=True)))
     for prompt in CHAT_PROMPTS:
         text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        ids = generate(model, tok.encode(text), max_tokens, stop_ids=stops).token_ids
+        ids = generate(model, tok.encode(text), max_tokens, stop_ids=stops).output_ids
         out.append((f"[chat] {prompt}", tok.decode(ids, skip_special_tokens=True)))
     return out
 

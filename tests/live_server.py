@@ -9,25 +9,29 @@ import socket
 import threading
 import time
 
+from qwen4exp.engine.engine_config import EngineConfig
 from qwen4exp.server.app import SUPERVISOR, ServerOptions, create_app
-from qwen4exp.server.options import EngineOptions
 from qwen4exp.server.serve import start_app
 
 API_KEY, ADMIN_KEY = "test-api-key", "test-admin-key"
 
 
 class Server:
-    def __init__(self, checkpoint, context: int = 512, engine: dict | None = None, **server_options):
+    def __init__(self, checkpoint, context: int = 512, engine: dict | None = None, config: EngineConfig | None = None,
+                 **server_options):
+        """A server for `checkpoint` with small test settings (`engine` changes some), or for a whole `config`."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        engine = EngineOptions(**({"model": str(checkpoint), "device": "cpu", "slots": 2, "max_ctx": context,
-                                   "chunk": 32, "prefix_cache_limit": 64 << 20, "queue_limit": 4} | (engine or {})))
+        if config is None:
+            config = EngineConfig(**({"model": str(checkpoint), "device": "cpu", "dtype": "float32", "slots": 2,
+                                      "max_ctx": context, "chunk": 32, "prefix_cache": True,
+                                      "prefix_cache_limit": 64 << 20, "queue_limit": 4} | (engine or {})))
         options = ServerOptions(**({"model_name": "tiny", "api_key": API_KEY, "admin_key": ADMIN_KEY,
                                     "max_body_bytes": 1 << 20} | server_options))
-        self.app = create_app(engine, options)
+        self.app = create_app(config, options)
         self.run(self._start())
 
     async def _start(self):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -23,6 +24,10 @@ from qwen4exp.checkpoint import (  # noqa: E402
     write_random_checkpoint,
 )
 from qwen4exp.checkpoint import layout  # noqa: E402
+from qwen4exp.engine.loading import build_model  # noqa: E402
+from qwen4exp.engine.model.causal_lm import Qwen4ExpForCausalLM  # noqa: E402
+from qwen4exp.engine.model.config import ModelConfig  # noqa: E402
+from qwen4exp.engine.model.ple import NGramEmbedding  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -99,24 +104,9 @@ def test_mtp_tensors_on_disk(tiny):
     assert not any(".ple." in n or "linear_attn" in n for n in shapes)
 
 
-def module_from_specs(specs: list[layout.TensorSpec]) -> torch.nn.Module:
-    """A bare module tree holding exactly the named tensors (stands in for our model with an MTP head)."""
-    root = torch.nn.Module()
-    for spec in specs:
-        *path, leaf = spec.name.split(".")
-        node = root
-        for part in path:
-            if not hasattr(node, part):
-                node.add_module(part, torch.nn.Module())
-            node = getattr(node, part)
-        dtype = torch.int64 if spec.init == "const" else torch.float32
-        node.register_parameter(leaf, torch.nn.Parameter(torch.zeros(spec.shape, dtype=dtype), requires_grad=False))
-    return root
-
-
 def test_mtp_loads_fused_when_the_module_has_it(tiny):
-    path, dtype = tiny
-    module = module_from_specs(layout.runtime_specs(read_config(path)))
+    path, _ = tiny
+    module = build_model(ModelConfig.from_dict(read_config(path)), torch.float32, torch.device("cpu"))
     report = load_weights(path, module, dtype=torch.float32, progress=False)
     assert report.skipped_mtp == 0
     fused = module.get_parameter("mtp.layers.0.mlp.experts.gate_up_proj")
@@ -254,9 +244,10 @@ def test_presets():
     twelve = preset_config("bench", layers=12)["text_config"]
     assert twelve["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 3
     # Shipped size: ~121B expert + ~51B PLE + MTP parameters, ~335 GiB in bf16.
-    count = sum(spec.numel for spec in layout.runtime_specs(full))
+    full_specs = layout.runtime_specs(full)
+    count = sum(spec.numel for spec in full_specs)
     assert 170e9 < count < 190e9 and 320 < count * 2 / 2**30 < 350
-    ple = [s for s in layout.runtime_specs(full) if s.name.endswith("ngram_embedding.weight")]
+    ple = [s for s in full_specs if s.name.endswith("ngram_embedding.weight")]
     assert len(ple) == 1 and 50e9 < ple[0].numel < 52e9
     # Bench, part by part from its config: 8 layers of 512 experts, each a gate+up (2 x 640 x 2560) and a down
     # (2560 x 640) projection, 20.13B; the embedding and the LM head, 2 x 248320 x 2560 = 1.27B; the MTP layer,
@@ -277,3 +268,50 @@ def test_presets():
     assert 16 * 200000 * 160 < parts["ple"] - 32 < 16 * 200100 * 160
     assert parts["rest"] < 1e9
     assert 25.1e9 < sum(parts.values()) < 25.3e9
+
+
+@pytest.mark.parametrize("preset", ["tiny", "bench"])
+def test_layout_holds_every_model_tensor_and_its_disk_pieces_fill_it(preset):
+    text = preset_config(preset)["text_config"]
+    with torch.device("meta"):
+        model = Qwen4ExpForCausalLM(ModelConfig.from_dict(text))
+    specs = layout.runtime_specs(text)
+    assert [(s.name, s.shape) for s in specs] == [(n, tuple(t.shape)) for n, t in model.state_dict().items()]
+    constants = {f"{prefix}.{name}": tuple(values) for prefix, module in model.named_modules()
+                 if isinstance(module, NGramEmbedding) for name, values in module._constants.items()}
+    assert constants and {s.name: s.value for s in specs if s.init == "const"} == constants
+    without_mtp = [s.name for s in layout.runtime_specs(text, with_mtp=False)]
+    assert without_mtp == [s.name for s in specs if not s.name.startswith(layout.MTP_PREFIX)]
+    for spec in specs:
+        # Every disk piece maps back (through the loader's parsing) to the place it was written from.
+        pieces = layout.disk_pieces(spec, text)
+        assert sum(math.prod(p.shape) for p in pieces) == spec.numel
+        rows = 0
+        for piece in pieces:
+            ref = layout.parse_disk_name(piece.disk)
+            assert ref.target == spec.name
+            if ref.kind == "expert":
+                assert layout.expert_slot(ref, spec.shape) == (piece.index, piece.shape)
+            elif ref.kind == "ple_shard":
+                assert piece.index == (slice(rows, rows + piece.shape[0]),)
+                rows += piece.shape[0]
+            else:
+                assert ref.kind == "whole" and piece.shape == spec.shape
+
+
+def test_each_kind_of_tensor_draws_from_its_own_distribution():
+    init = {s.name: s.init for s in layout.runtime_specs(preset_config("tiny")["text_config"])}
+    gdn, qsa, ple = "model.layers.1.linear_attn", "model.layers.3.self_attn", "model.layers.1.ple"
+    expected = {
+        "model.embed_tokens.weight": "embedding", "lm_head.weight": "lm_head",
+        f"{gdn}.A_log": "a_log", f"{gdn}.dt_bias": "dt_bias", f"{gdn}.conv1d.weight": "conv",
+        f"{gdn}.norm.weight": "gated_norm", f"{gdn}.in_proj_qkv.weight": "fan_in",
+        f"{qsa}.q_norm.weight": "norm", f"{qsa}.indexer.k_layernorm.weight": "norm",
+        f"{qsa}.indexer.index_qk_proj.weight": "fan_in", "model.layers.3.mlp.gate.weight": "router",
+        "model.layers.3.mlp.experts.down_proj": "fan_in", "model.layers.3.mlp.shared_expert_gate.weight": "fan_in",
+        f"{ple}.ple_embedding.ngram_embedding.weight": "embedding", f"{ple}.ple_embedding.ngram_heads_offsets": "const",
+        f"{ple}.conv1d.weight": "conv", f"{ple}.norm_key.weight": "norm",
+        "model.hyper_connection_mixer.hc_norm.weight": "norm", "mtp.pre_fc_norm_hidden.weight": "norm",
+        "mtp.fc_hidden.weight": "fan_in", "mtp.layers.0.mlp_hyper_connection.block_inject_weight.weight": "fan_in",
+    }
+    assert {name: init[name] for name in expected} == expected

@@ -13,6 +13,13 @@ from qwen4exp.engine.request import Request
 from qwen4exp.tokenizer import Tokenizer
 
 
+@pytest.fixture(autouse=True)
+def default_profile(monkeypatch):
+    """`generate` reads the profile `serve` would: here always the shipped tiny one, whatever the environment says."""
+    monkeypatch.delenv("QWEN4EXP_PROFILE", raising=False)
+    monkeypatch.delenv("QWEN4EXP_PROFILE_PATH", raising=False)
+
+
 def _run(capsys, *argv) -> str:
     assert main(list(argv)) == 0
     return capsys.readouterr().out
@@ -20,7 +27,7 @@ def _run(capsys, *argv) -> str:
 
 def test_generate_json_prints_ids_text_and_timings(tiny_checkpoint, capsys):
     out = json.loads(_run(capsys, "generate", "--model", str(tiny_checkpoint), "--prompt", "Hello there",
-                          "--max-tokens", "8", "--greedy", "--ignore-eos", "--json", "--chunk", "3"))
+                          "--max-tokens", "8", "--greedy", "--ignore-eos", "--json"))
     assert len(out["token_ids"]) == 8 and out["finish_reason"] == "length"
     tokenizer = Tokenizer.from_dir(tiny_checkpoint)
     assert out["text"] == tokenizer.decode(out["token_ids"])
@@ -48,6 +55,71 @@ def test_prompts_file_runs_together_and_prints_in_order(tiny_checkpoint, tmp_pat
                                   sampling=SamplingParams(temperature=0.8, seed=3)))
     engine.run_until_idle()
     assert answers[1]["token_ids"] == alone.output_ids
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    """A live server for the shipped tiny profile (4 slots, chunk 64, the embedded model), as `serve` builds it."""
+    from live_server import Server
+
+    from qwen4exp.config import load_settings
+    from qwen4exp.engine.engine_config import EngineConfig
+
+    s = Server(None, config=EngineConfig.from_settings(load_settings("tiny", env={})))
+    yield s
+    s.close()
+
+
+PROMPT = ("And it came to pass, when the king had heard the words of the book of the law, that he rent his clothes. "
+          "And the king commanded Hilkiah the priest, and Ahikam the son of Shaphan, saying, Go ye, enquire of the "
+          "LORD for me, and for the people, and for all Judah, concerning the words of this book that is found: for "
+          "great is the wrath of the LORD that is kindled against us, because our fathers have not hearkened unto the "
+          "words of this book, to do according unto all that which is written concerning us. So Hilkiah the priest, "
+          "and Ahikam, and Achbor, and Shaphan, and Asahiah, went unto Huldah the prophetess, the wife of Shallum")
+
+
+SEEDED = ({"temperature": 0.8, "seed": 7}, ["--temperature", "0.8", "--seed", "7"])
+
+
+@pytest.mark.parametrize("sampling, flags", [({}, ["--greedy"]), SEEDED])
+def test_generate_prompt_gives_the_served_answer(tiny_server, capsys, sampling, flags):
+    """`generate --prompt` with the profile's settings answers what the daemon serving that profile answers, id for
+    id and character for character: the prompt is cut on the profile's chunk grid (it spans three chunks of 64)
+    and decoded by the engine's own step, greedy or sampled with a seed."""
+    from qwen4exp.model_dir import resolve_model
+    from qwen4exp.tokenizer import Tokenizer
+
+    assert len(Tokenizer.from_dir(resolve_model("tiny")).encode(PROMPT)) > 128
+    body = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, **sampling}
+    status, served, _ = tiny_server.request("POST", "/generate", body)
+    assert status == 200, served
+    out = json.loads(_run(capsys, "generate", "--prompt", PROMPT, "--max-tokens", "40", "--ignore-eos", "--json",
+                          *flags))
+    assert out["token_ids"] == served["token_ids"] and out["text"] == served["text"]
+    assert out["finish_reason"] == served["finish_reason"] == "length"
+    status, completion, _ = tiny_server.request("POST", "/v1/completions", body)
+    assert completion["choices"][0]["text"] == out["text"]
+
+
+def test_generate_chat_gives_the_served_chat_answer(tiny_server, capsys):
+    question = "Who made the heaven and the earth?"
+    status, served, _ = tiny_server.request("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": question}], "max_tokens": 30})
+    assert status == 200, served
+    out = json.loads(_run(capsys, "generate", "--chat", "--prompt", question, "--max-tokens", "30", "--json"))
+    choice = served["choices"][0]
+    assert out["text"] == choice["message"]["content"] and out["finish_reason"] == choice["finish_reason"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--chunk", "3"], "chunk"),
+    (["--slots", "9"], "slots"),
+    (["--set", "prefix_cache.spacing=48"], "prefix_cache.spacing"),
+])
+def test_generate_refuses_bad_settings_by_name(argv, message):
+    with pytest.raises(SystemExit) as err:
+        main(["generate", "--prompt", "Hello", *argv])
+    assert "error:" in str(err.value) and message in str(err.value)
 
 
 @pytest.mark.parametrize("line, message", [

@@ -238,12 +238,12 @@ def test_out_of_memory_in_a_chunk_is_retried_once_from_the_same_state(model, mon
     real_forward = type(model).forward
     calls = {"n": 0}
 
-    def flaky(self, segments, all_logits=False):
+    def flaky(self, token_ids, state, all_logits=False):
         calls["n"] += 1
         if calls["n"] == 2:           # fail the second chunk after it has updated some state
-            real_forward(self, segments, all_logits)
+            real_forward(self, token_ids, state, all_logits)
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_forward(self, segments, all_logits)
+        return real_forward(self, token_ids, state, all_logits)
     monkeypatch.setattr(type(model), "forward", flaky)
     request = engine.submit(Request(**spec))
     engine.run_until_idle()
@@ -257,10 +257,10 @@ def test_out_of_memory_twice_fails_only_that_request(model, monkeypatch):
     engine.step()
     real_forward = type(model).forward
 
-    def oom_for_long(self, segments, all_logits=False):
-        if segments[0].state is engine.pool.slots[doomed.slot].state:
+    def oom_for_long(self, token_ids, state, all_logits=False):
+        if state is engine.pool.slots[doomed.slot].state:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_forward(self, segments, all_logits)
+        return real_forward(self, token_ids, state, all_logits)
     monkeypatch.setattr(type(model), "forward", oom_for_long)
     healthy = engine.submit(Request(**healthy_spec))
     engine.run_until_idle()

@@ -242,16 +242,21 @@ class _Recorded(Exception):
     pass
 
 
+@pytest.mark.parametrize("devices, chunk, slots, floor", [
+    ('device_memory_limit = "256MiB"\n[[devices]]\nname = "cpu"\nrole = "target"\n', 512, 2, 512),
+    # The device's own limit wins over device_memory_limit; chunk "auto" on the CPU is 64, held as 256 rows.
+    (('device_memory_limit = "1GiB"\n[[devices]]\nname = "cpu"\nrole = ["target", "snapshots"]\n'
+      'memory_limit = "256MiB"\n'), '"auto"', 3, 256),
+])
 def test_plan_and_serve_fit_the_same_profile_with_the_same_settings(tiny_checkpoint, tmp_path, monkeypatch,
-                                                                     no_cpu_limit):
+                                                                     no_cpu_limit, devices, chunk, slots, floor):
     """`qwen4exp plan --profile P` and the worker `serve` starts for P call the fit with the same settings: the
-    chunk it must hold (the profile's 512, not the planner's default 256), where snapshots live, the limit."""
+    chunk it must hold (the profile's, not the planner's default 256), where snapshots live, the limit."""
     import inspect
 
-    from qwen4exp.model_dir import resolve_model
     from qwen4exp.config import load_settings
+    from qwen4exp.engine.engine_config import EngineConfig
     from qwen4exp.plan_cli import main as plan
-    from qwen4exp.server.settings_bridge import engine_options
     from qwen4exp.server.worker import Worker
 
     calls = []
@@ -264,13 +269,12 @@ def test_plan_and_serve_fit_the_same_profile_with_the_same_settings(tiny_checkpo
 
     monkeypatch.setattr(fit_module, "fit_context", record)
     profile = tmp_path / "box.toml"
-    profile.write_text(f'model = "{tiny_checkpoint}"\nslots = 2\nmax_ctx = "auto"\nchunk = 512\n'
-                       'device_memory_limit = "256MiB"\n[[devices]]\nname = "cpu"\nrole = "target"\n')
+    profile.write_text(f'model = "{tiny_checkpoint}"\nslots = {slots}\nmax_ctx = "auto"\nchunk = {chunk}\n{devices}')
     with pytest.raises(_Recorded):
         plan(["--profile", str(profile)])
-    options = engine_options(load_settings(profile), resolve_model)
     with pytest.raises(_Recorded):
-        Worker(options.to_dict() | {"fitted_context": None}, conn=None).load()
+        Worker(EngineConfig.from_settings(load_settings(profile)), conn=None).load()
     planned, served = calls
-    assert planned["chunk_floor"] == 512 and planned["slots"] == 2 and planned["memory_limit"] == 256 * MiB
+    assert planned["chunk_floor"] == floor and planned["slots"] == slots and planned["memory_limit"] == 256 * MiB
+    assert planned["snapshots_on_device"] is True          # on the CPU, snapshots take the memory the slots use
     assert planned == served

@@ -5,6 +5,8 @@ must be the loaded parameters' own memory (no copy), and training must still rea
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,13 +14,17 @@ import torch.nn.functional as F
 from qwen4exp.checkpoint.presets import preset_config
 from qwen4exp.checkpoint.random_weights import random_model
 from qwen4exp.engine.loading import load_model
+from qwen4exp.engine.model import moe
 from qwen4exp.engine.model.causal_lm import Qwen4ExpForCausalLM
 from qwen4exp.engine.model.config import ModelConfig
 from qwen4exp.engine.model.gated_deltanet import GatedDeltaNet
 from qwen4exp.engine.model.hyper import GatedResidual
+from qwen4exp.engine.model.ops import TORCH_OPS
 from qwen4exp.engine.model.shared_input import SharedInputProjections
+from qwen4exp.engine.model.step import Step
 from qwen4exp.engine.model.training import training_forward
 
+TORCH_CHUNK = SimpleNamespace(ops=TORCH_OPS, decode=False)   # what a row-wise module reads of a step
 EPS = torch.finfo(torch.float32).eps
 TOL = 1e-5
 
@@ -45,8 +51,11 @@ def separate_products(module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def unfused_moe(block, x: torch.Tensor) -> torch.Tensor:
     """The MoE block as it was written before the stack: router, shared expert and its gate each on x."""
-    ids, weights = block.gate(x)
-    return block.experts(x, ids, weights) + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    ids, weights = moe.route(F.linear(x, block.gate.weight), block.gate.top_k, block.gate.normalize)
+    expert = block.shared_expert
+    shared = expert.down_proj(F.silu(expert.gate_proj(x)) * expert.up_proj(x))
+    routed = moe.experts_grouped(x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj)
+    return routed + torch.sigmoid(block.shared_expert_gate(x)) * shared
 
 
 @torch.no_grad()
@@ -59,7 +68,7 @@ def test_one_product_gives_the_separate_products(model):
         widest = max(widest, width)
         for rows in (1, 4, 300):
             x = torch.randn(rows, width, generator=gen)
-            fused = module.project_input(x)
+            fused = module.project_input(x, TORCH_CHUNK)
             alone = separate_products(module, x)
             for f, a, w in zip(fused, alone, module.input_weights(), strict=True):
                 assert f.shape == a.shape
@@ -78,18 +87,29 @@ def test_blocks_match_their_unfused_forms(model, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(40, cfg.hidden_size, generator=gen)
     active = torch.tensor([True, False, True])
+    rope = model.rope_table(64, torch.device("cpu"))
+
+    def chunk(state):
+        return Step(TORCH_OPS, torch.zeros(40, dtype=torch.long), torch.arange(40), state, *rope)
+
+    def rows(batch):
+        return Step.rows(TORCH_OPS, torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), active, batch,
+                         rope)
+
     checked_gdn = False
     for index, layer in enumerate(model.model.layers):
-        assert (layer.mlp(x) - unfused_moe(layer.mlp, x)).abs().max().item() < TOL
+        assert (layer.mlp(x, TORCH_CHUNK) - unfused_moe(layer.mlp, x)).abs().max().item() < TOL
         if not hasattr(layer, "linear_attn"):
             continue
         gdn = layer.linear_attn
         fused_state, alone_state = model.new_state(64), model.new_state(64)
         fused_batch, alone_batch = model.new_state_batch(3, 8), model.new_state_batch(3, 8)
-        fused = [gdn(x, fused_state.layers[index]), gdn.decode_rows(x[:3], fused_batch.layers[index], active)]
+        fused = [gdn(x, chunk(fused_state), fused_state.layers[index]),
+                 gdn(x[:3], rows(fused_batch), fused_batch.layers[index])]
         with monkeypatch.context() as patch:
-            patch.setattr(gdn, "project_input", lambda rows, gdn=gdn: separate_products(gdn, rows))
-            alone = [gdn(x, alone_state.layers[index]), gdn.decode_rows(x[:3], alone_batch.layers[index], active)]
+            patch.setattr(gdn, "project_input", lambda x, step, gdn=gdn: separate_products(gdn, x))
+            alone = [gdn(x, chunk(alone_state), alone_state.layers[index]),
+                     gdn(x[:3], rows(alone_batch), alone_batch.layers[index])]
         for f, a in zip(fused + fused_state.carried() + fused_batch.rows[0].carried(),
                         alone + alone_state.carried() + alone_batch.rows[0].carried(), strict=True):
             assert (f - a).abs().max().item() < TOL
@@ -140,7 +160,7 @@ def test_training_reaches_every_stacked_weight(tiny_checkpoint):
 
     block = trained.model.layers[0].mlp
     x = torch.randn(10, trained.config.hidden_size, generator=gen)
-    fused = torch.autograd.grad(block(x).square().sum(), block.input_weights())
+    fused = torch.autograd.grad(block(x, TORCH_CHUNK).square().sum(), block.input_weights())
     alone = torch.autograd.grad(unfused_moe(block, x).square().sum(), block.input_weights())
     for f, a in zip(fused, alone, strict=True):
         assert (f - a).abs().max().item() < 1e-4 * max(1.0, a.abs().max().item())

@@ -17,7 +17,10 @@ if importlib.util.find_spec("triton") is None:
 CHILD = r"""
 import json, torch
 import torch.nn.functional as F
-from qwen4exp.engine.model import conv_step, gated_norm_kernel, gdn_decode_kernel, gdn_ops
+from qwen4exp.engine.model import conv, delta_rule
+from qwen4exp.kernels import conv as conv_kernels
+from qwen4exp.kernels import delta_rule as delta_rule_kernels
+from qwen4exp.kernels import gated_norm
 from qwen4exp.engine.model.norms import GatedRMSNorm
 results = {}
 gen = torch.Generator().manual_seed(0)
@@ -33,8 +36,8 @@ for name in ("float32", "bfloat16"):
     active = torch.tensor([True, False, True])
     state = torch.randn(n, hv, dk, dv, generator=gen)
     ours, theirs = state.clone(), state.clone()
-    out = gdn_decode_kernel.decode_step(q, k, v, a, b, a_log, dt_bias, active, ours)
-    want = gdn_ops.gated_delta_rule_rows(q, k, v, a, b, a_log, dt_bias, active, theirs)
+    out = delta_rule_kernels.decode_step(q, k, v, a, b, a_log, dt_bias, active, ours)
+    want = delta_rule.gated_delta_rule_rows(q, k, v, a, b, a_log, dt_bias, active, theirs)
     rows = active.nonzero().flatten()
     results[name] = {
         "out_err": (out[rows].float() - want[rows].float()).abs().max().item(),
@@ -50,8 +53,8 @@ for name in ("float32", "bfloat16"):
         x = torch.randn(n, 2 * channels, generator=gen).to(dtype)[:, :channels]    # a row-strided view
         weight = torch.randn(channels, 1, taps, generator=gen).to(dtype)
         ours, theirs = kept.clone(), kept.clone()
-        got = conv_step.conv_step_kernel(ours, x, weight, dilation, active)
-        torch_out = conv_step.causal_conv_step(theirs, x, weight, dilation, active)
+        got = conv_kernels.conv_step(ours, x, weight, dilation, active)
+        torch_out = conv.causal_conv_step(theirs, x, weight, dilation, active)
         results[f"{name} {label}"] = {
             "out_err": (got.float() - torch_out.float()).abs().max().item(),
             "out_scale": torch_out.float().abs().max().item(),
@@ -61,8 +64,8 @@ for name in ("float32", "bfloat16"):
         for length in (2, 37):       # shorter than the kept inputs, and several row blocks
             chunk = torch.randn(length, channels, generator=gen).to(dtype)
             ours, theirs = kept[0].clone(), kept[0].clone()
-            got = conv_step.conv_chunk_kernel(ours, chunk, weight, dilation)
-            want = conv_step.causal_conv_chunk(theirs, chunk, weight, dilation)   # the torch form on the CPU
+            got = conv_kernels.conv_chunk(ours, chunk, weight, dilation)
+            want = conv.causal_conv_chunk(theirs, chunk, weight, dilation)   # the torch form on the CPU
             results[f"{name} {label} chunk {length}"] = {
                 "out_err": (got.float() - want.float()).abs().max().item(),
                 "out_scale": want.float().abs().max().item()}
@@ -73,9 +76,21 @@ for name in ("float32", "bfloat16"):
     x, z = (torch.randn(n * hv, dv, generator=gen).to(dtype) for _ in range(2))
     with torch.inference_mode():
         want = norm(x, z)
-    got = gated_norm_kernel.gated_norm(x, z, norm.weight, norm.eps, silu=True)
+    got = gated_norm.gated_norm(x, z, norm.weight, norm.eps, silu=True)
     results[f"{name} gated norm"] = {"out_err": (got.float() - want.float()).abs().max().item(),
                                      "out_scale": want.float().abs().max().item()}
+    # A 1-slot engine's step: the heads of a lone row's views, as GatedDeltaNet makes them.
+    lone = torch.randn(1, 2 * hk * dk + hv * dv, generator=gen).to(dtype)
+    q, k, v = torch.split(lone, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(1, hk, dk), k.reshape(1, hk, dk), v.reshape(1, hv, dv)
+    state = torch.randn(1, hv, dk, dv, generator=gen)
+    ours, theirs = state.clone(), state.clone()
+    one = torch.tensor([True])
+    out = delta_rule_kernels.decode_step(q, k, v, a[:1], b[:1], a_log, dt_bias, one, ours)
+    want = delta_rule.gated_delta_rule_rows(q, k, v, a[:1], b[:1], a_log, dt_bias, one, theirs)
+    results[f"{name} one row"] = {"out_err": (out.float() - want.float()).abs().max().item(),
+                                  "out_scale": want.float().abs().max().item(),
+                                  "state_err": (ours - theirs).abs().max().item()}
 print(json.dumps(results))
 """
 
@@ -91,6 +106,14 @@ def test_decode_kernel_matches_the_torch_step(results, dtype):
     assert r["state_moved"] > 1e-3, "the active row's state must advance"
     assert r["state_err"] < 1e-4, r
     # bf16: the kernel rounds only its output; the torch form also rounds nothing earlier (inputs are shared).
+    assert r["out_err"] <= 1e-4 * r["out_scale"] + (1e-2 * r["out_scale"] if dtype == "bfloat16" else 0), r
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_kernel_takes_a_lone_row(results, dtype):
+    """A 1-slot engine gives the kernel one row, whose views may carry any stride on their size-1 dimension."""
+    r = results[f"{dtype} one row"]
+    assert r["state_err"] < 1e-4, r
     assert r["out_err"] <= 1e-4 * r["out_scale"] + (1e-2 * r["out_scale"] if dtype == "bfloat16" else 0), r
 
 

@@ -16,9 +16,12 @@ if importlib.util.find_spec("triton") is None:
 
 CHILD = r"""
 import json, torch
-from qwen4exp.engine.model import hyper_kernels
-from qwen4exp.engine.model.hyper import GatedResidual
+from qwen4exp.kernels import hyper as hyper_kernels
+from types import SimpleNamespace
+from qwen4exp.engine.model.hyper import GatedResidual, inject
 from qwen4exp.engine.model.norms import RMSNorm
+from qwen4exp.engine.model.ops import TORCH_OPS
+TORCH_CHUNK = SimpleNamespace(ops=TORCH_OPS, decode=False)   # what GatedResidual reads of a step
 
 def err(a, b):
     return (a.float() - b.float()).abs().max().item()
@@ -37,7 +40,7 @@ for label, hidden, low_rank, rows in (("tiny", 64, 16, 3), ("ragged", 48, 40, 3)
     term = torch.randn(rows, hc * hidden, generator=gen).to(dtype)
     with torch.inference_mode():
         for update, kwargs in (("none", {}), ("add", {"add": term})):
-            want_streams, want_mixed, want_gates = res.update_and_mix(streams, **kwargs)
+            want_streams, want_mixed, want_gates = res(streams, TORCH_CHUNK, **kwargs)
             new, normed = hyper_kernels.norm_rows(streams, res.hc_norm.weight, res.hc_norm.eps, hidden, **kwargs)
             gate_logits = res.block_inject_weight(normed)
             mixed, gates = hyper_kernels.mix_streams(res.input_mix_weight_down(normed), res.input_mix_weight_up.weight,
@@ -52,7 +55,7 @@ for label, hidden, low_rank, rows in (("tiny", 64, 16, 3), ("ragged", 48, 40, 3)
                 "alone_equals_together": rows > 64 or all(torch.equal(a[0], m) for a, m in zip(alone, mixed)),
             }
         gates = 2 * torch.sigmoid(torch.randn(rows, hc, generator=gen)).to(dtype)
-        want = GatedResidual.inject(streams, out, gates)
+        want = inject(streams, out, gates)
         new, normed = hyper_kernels.norm_rows(streams, res.hc_norm.weight, res.hc_norm.eps, hidden, inject=(out, gates))
         results[f"{label}/inject"] = {"streams_equal": bool(torch.equal(new, want)),
                                       "normed_err": err(normed, res.hc_norm(want))}
@@ -104,10 +107,14 @@ def test_one_group_per_row_is_the_plain_rms_norm(results):
 @pytest.mark.parametrize("rows", [1, 4, 4096])
 def test_fused_forms_follow_torch_at_shipped_sizes_on_gpu(rows):
     """The shipped hyper-connection sizes (4 x 2560 streams, rank 320) on the GPU: the fused update + norm + mix
-    (and the plain norms) against the torch forms, which run there when autograd is on."""
+    (and the plain norms) of the Triton ops against the torch ops."""
+    from types import SimpleNamespace
+
     import torch
     from qwen4exp.engine.model.hyper import GatedResidual
     from qwen4exp.engine.model.norms import GatedRMSNorm, RMSNorm
+    from qwen4exp.engine.model.ops import TORCH_OPS
+    from qwen4exp.engine.model.triton_ops import TRITON_OPS
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA/ROCm device")
@@ -120,10 +127,9 @@ def test_fused_forms_follow_torch_at_shipped_sizes_on_gpu(rows):
     streams = torch.randn(rows, hc * hidden, generator=gen, device="cuda").bfloat16()
     out = torch.randn(rows, hidden, generator=gen, device="cuda").bfloat16()
     gates = (2 * torch.rand(rows, hc, generator=gen, device="cuda")).bfloat16()
-    with torch.enable_grad():          # the kernels step aside under autograd: this is the torch form
-        want = res.update_and_mix(streams, inject=(out, gates))
     with torch.inference_mode():
-        got = res.update_and_mix(streams, inject=(out, gates))
+        want = res(streams, SimpleNamespace(ops=TORCH_OPS, decode=False), inject=(out, gates))
+        got = res(streams, SimpleNamespace(ops=TRITON_OPS, decode=False), inject=(out, gates))
     assert torch.equal(got[0], want[0]), "the injected streams must match bit for bit"
     mixed_err = (got[1].float() - want[1].float()).abs()
     assert mixed_err.max().item() <= 2 * BF16_STEP, mixed_err.max()
@@ -134,8 +140,8 @@ def test_fused_forms_follow_torch_at_shipped_sizes_on_gpu(rows):
                                                                 for _ in range(2)))):
         norm = norm.cuda().bfloat16().requires_grad_(False)
         args = tuple(a.bfloat16() for a in args)
-        with torch.enable_grad():
-            want = norm(*args)
         with torch.inference_mode():
-            got = norm(*args)
+            want = norm(*args)
+            ops = TRITON_OPS
+            got = ops.rms_norm(*args, norm) if isinstance(norm, RMSNorm) else ops.gated_rms_norm(*args, norm)
         assert (got.float() - want.float()).abs().max().item() <= 2 * BF16_STEP * max(1.0, want.abs().max().item())

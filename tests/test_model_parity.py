@@ -7,7 +7,6 @@ import torch
 
 from qwen4exp.engine.generate import generate
 from qwen4exp.engine.loading import load_model
-from qwen4exp.engine.model.causal_lm import Segment
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,7 +36,7 @@ def _prompt(model, length: int, seed: int, eos_at: int | None = None) -> torch.T
 def _all_logits(model, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     state = model.new_state(ids.numel() + 8)
     step = chunk or ids.numel()
-    pieces = [model([Segment(ids[i:i + step], state)], all_logits=True)[0] for i in range(0, ids.numel(), step)]
+    pieces = [model(ids[i:i + step], state, all_logits=True) for i in range(0, ids.numel(), step)]
     return torch.cat(pieces)
 
 
@@ -66,7 +65,7 @@ def test_greedy_ids_match_reference_over_64_tokens(ours, reference):
         ref = reference.generate(ids[None], max_new_tokens=64, do_sample=False, eos_token_id=None,
                                  pad_token_id=0, min_new_tokens=64)
     expected = ref[0, ids.numel():].tolist()
-    got = generate(ours, ids.tolist(), max_tokens=64).token_ids
+    got = generate(ours, ids.tolist(), max_tokens=64).output_ids
     assert len(expected) == 64
     assert got == expected
 
@@ -78,23 +77,32 @@ def test_chunked_prefill_equals_one_shot(ours, chunk):
     chunked = _all_logits(ours, ids, chunk=chunk)
     diff = (chunked - one_shot).abs().max().item()
     assert diff < TOL, f"chunk {chunk}: max diff {diff:.3g}"
-    greedy_one = generate(ours, ids.tolist(), max_tokens=16).token_ids
-    greedy_chunked = generate(ours, ids.tolist(), max_tokens=16, chunk=chunk).token_ids
-    assert greedy_chunked == greedy_one
 
 
-def test_batch_of_different_lengths_equals_each_alone(ours):
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_greedy_answer_is_the_same_at_any_chunk(ours, chunk):
+    """The engine cuts prompts on the QSA block (multiples of 4): at any such chunk, the answer of one forward."""
+    ids = _prompt(ours, 140, seed=2, eos_at=70).tolist()
+    assert generate(ours, ids, max_tokens=16, chunk=chunk).output_ids == generate(ours, ids, max_tokens=16).output_ids
+
+
+def test_decode_rows_of_different_lengths_equal_each_alone(ours):
+    """Three sequences at different positions (and an idle row) decoded together over one state batch: each row's
+    logits equal that sequence's own one-token chunks, step after step."""
     prompts = [_prompt(ours, n, seed=10 + n) for n in (5, 37, 180)]
-    alone = [_all_logits(ours, p) for p in prompts]
-    states = [ours.new_state(200) for _ in prompts]
-    together = ours([Segment(p, s) for p, s in zip(prompts, states)], all_logits=True)
-    for a, t in zip(alone, together):
-        assert (a - t).abs().max().item() < TOL
-    # Decode a few steps together: each sequence's tokens equal its solo greedy run.
-    solo = [generate(ours, p.tolist(), max_tokens=6).token_ids for p in prompts]
-    tokens = [[int(torch.argmax(t[-1]))] for t in together]
+    batch = ours.new_state_batch(4, 200)
+    alone = [ours.new_state(200) for _ in prompts]
+    tokens = []
+    for p, row, solo in zip(prompts, batch.rows, alone):
+        ours(p, row)
+        tokens.append(int(torch.argmax(ours(p, solo))))
+    rope = ours.rope_table(200, torch.device("cpu"))
+    active = torch.tensor([True, True, True, False])
     for _ in range(5):
-        logits = ours([Segment(torch.tensor(tok[-1:]), s) for tok, s in zip(tokens, states)])
-        for tok, lg in zip(tokens, logits):
-            tok.append(int(torch.argmax(lg)))
-    assert tokens == solo
+        positions = torch.tensor([row.length for row in batch.rows])
+        together = ours.decode_rows(torch.tensor(tokens + [0]), positions, active, batch, rope)
+        for i, solo in enumerate(alone):
+            want = ours(torch.tensor(tokens[i:i + 1]), solo)
+            assert (together[i] - want).abs().max().item() < TOL
+            batch.rows[i].length += 1
+            tokens[i] = int(torch.argmax(want))

@@ -63,7 +63,7 @@ def _rel_err(got, want) -> float:
 
 
 def check_rows_match_reference():
-    from qwen4exp.engine.model.moe_kernels import moe_rows
+    from qwen4exp.kernels.moe import moe_rows
 
     for dtype_name in ("bfloat16", "float16"):
         gate_up, down, gen, dtype = _setup(dtype_name)
@@ -78,7 +78,7 @@ def check_rows_match_reference():
 def check_rows_inactive_are_zero_and_rows_independent():
     import torch
 
-    from qwen4exp.engine.model.moe_kernels import moe_rows
+    from qwen4exp.kernels.moe import moe_rows
 
     gate_up, down, gen, dtype = _setup("bfloat16", seed=1)
     x, ids, weights = _routing(4, gen, dtype)
@@ -105,7 +105,7 @@ def check_rows_shared_term_matches_torch():
     the model dtype bit for bit, idle rows included (their routed part is zero)."""
     import torch
 
-    from qwen4exp.engine.model.moe_kernels import moe_rows
+    from qwen4exp.kernels.moe import moe_rows
 
     gate_up, down, gen, dtype = _setup("bfloat16", seed=5)
     x, ids, weights = _routing(4, gen, dtype)
@@ -126,7 +126,7 @@ def check_rows_shared_term_matches_torch():
 def check_grouped_match_reference():
     import torch
 
-    from qwen4exp.engine.model.moe_kernels import group_pairs_by_expert, moe_grouped
+    from qwen4exp.kernels.moe import group_pairs_by_expert, moe_grouped
 
     for dtype_name in ("bfloat16", "float16"):
         gate_up, down, gen, dtype = _setup(dtype_name, seed=2)
@@ -150,7 +150,7 @@ def check_grouped_match_reference():
 def check_grouped_is_batch_invariant():
     import torch
 
-    from qwen4exp.engine.model.moe_kernels import moe_grouped
+    from qwen4exp.kernels.moe import moe_grouped
 
     gate_up, down, gen, dtype = _setup("bfloat16", seed=3)
     x, ids, weights = _routing(40, gen, dtype)
@@ -159,23 +159,22 @@ def check_grouped_is_batch_invariant():
     assert torch.equal(moe_grouped(x, ids, weights, gate_up, down), whole)
 
 
-def check_experts_dispatch_keeps_cpu_paths():
-    """On the CPU, Experts runs its torch paths whatever the dtype (the kernels are for GPUs)."""
+def check_cpu_models_take_the_torch_forms():
+    """A bfloat16 model on the CPU runs the torch forms (the kernels are for GPUs); the per-row form gives idle
+    rows zeros and the others what they get with every row active."""
     import torch
 
-    from qwen4exp.engine.model.moe import Experts
+    from qwen4exp.engine.model import moe
+    from qwen4exp.engine.model.backend import ops_for
+    from qwen4exp.engine.model.ops import TORCH_OPS
 
-    experts = Experts(E, H, I)
     gate_up, down, gen, dtype = _setup("bfloat16", seed=4)
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(gate_up.float())
-        experts.down_proj.copy_(down.float())
+    assert ops_for(gate_up) is TORCH_OPS
     x, ids, weights = _routing(3, gen, torch.float32)
-    assert not experts._fused(x.to(dtype))
     active = torch.tensor([True, False, True])
-    out = experts.forward_per_row(x, ids, weights, active)
+    out = moe.experts_per_row(x, ids, weights, gate_up.float(), down.float(), active)
     assert torch.equal(out[1], torch.zeros(H))
-    assert torch.equal(out[[0, 2]], experts.forward_per_row(x, ids, weights)[[0, 2]])
+    assert torch.equal(out[[0, 2]], moe.experts_per_row(x, ids, weights, gate_up.float(), down.float())[[0, 2]])
 
 
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}

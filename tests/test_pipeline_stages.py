@@ -1,4 +1,4 @@
-"""Pipeline depth per device (pipeline_stages.py): the H200 keeps the 4 stages the kernels were tuned with, and
+"""Pipeline depth per device (guard.py): the H200 keeps the 4 stages the kernels were tuned with, and
 a GPU with 64 KiB of shared memory per block (AMD's LDS per workgroup) gets the stages that fit, for the
 few-row products of decode and the MoE's grouped GEMMs of prefill alike."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qwen4exp.engine.model import moe_kernels, pipeline_stages, row_products
+from qwen4exp.kernels import guard, moe, row_products
 
 pytest.importorskip("triton")      # the kernels' block shapes come from Triton's helpers
 
@@ -18,13 +18,13 @@ GPU = torch.device("cuda", 0)
 
 def configs(monkeypatch, limit: int) -> list[tuple[dict, int]]:
     """(config, bytes per stage) of every pipelined kernel launch, on a GPU reporting `limit` bytes."""
-    monkeypatch.setattr(pipeline_stages, "shared_memory_bytes", lambda device: limit)
+    monkeypatch.setattr(guard, "shared_memory_bytes", lambda device: limit)
     launches = []
     for n, k in ((248320, 2560), (324, 10240), (1793, 2560)):       # LM head, hyper stack, MoE stack
         config = row_products.fitted(row_products.plan(n, k), GPU, 2)
         launches.append((config, (row_products.MAX_ROWS + config["BLOCK_N"]) * config["BLOCK_K"] * 2))
-    gate_up, down = moe_kernels.grouped_configs(GPU, 2)
-    m = moe_kernels.GROUPED_BLOCK_M
+    gate_up, down = moe.grouped_configs(GPU, 2)
+    m = moe.GROUPED_BLOCK_M
     launches.append((gate_up, (m + 2 * gate_up["BLOCK_N"]) * gate_up["BLOCK_K"] * 2))
     launches.append((down, (m + down["BLOCK_N"]) * down["BLOCK_K"] * 2))
     return launches
@@ -41,6 +41,6 @@ def test_a_64_kib_gpu_gets_the_stages_that_fit(monkeypatch):
 
 
 def test_unknown_limit_or_cpu_keeps_the_asked_depth():
-    assert pipeline_stages.stages_within(None, 24576, 4) == 4
-    assert pipeline_stages.stages_within(1000, 24576, 4) == 1
-    assert pipeline_stages.shared_memory_bytes(torch.device("cpu")) is None
+    assert guard.stages_within(None, 24576, 4) == 4
+    assert guard.stages_within(1000, 24576, 4) == 1
+    assert guard.shared_memory_bytes(torch.device("cpu")) is None

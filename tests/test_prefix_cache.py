@@ -13,7 +13,6 @@ from qwen4exp.engine.prefix_cache import PrefixCache
 from qwen4exp.engine.request import Request
 from qwen4exp.engine.sampling import SamplingParams
 from qwen4exp.engine.snapshot import Snapshot, SnapshotBackend
-from qwen4exp.engine.model.causal_lm import Segment
 from logits_record import assert_same_logits, record_logits
 
 CHUNK = 16          # restore points every 16 tokens: on both sides of the tiny model's QSA dense limit (35)
@@ -102,10 +101,10 @@ def test_restore_into_another_slot_beside_other_requests(model, monkeypatch):
 
 def test_snapshot_restores_the_state_exactly(model):
     state = model.new_state(256)
-    model([Segment(torch.tensor(_prompt(96, seed=7)), state)])
+    model(torch.tensor(_prompt(96, seed=7)), state)
     snap = Snapshot.capture(state, 4, SnapshotBackend.for_device(torch.device("cpu")))
     other = model.new_state(256)
-    model([Segment(torch.tensor(_prompt(50, seed=8)), other)])   # dirty it first
+    model(torch.tensor(_prompt(50, seed=8)), other)   # dirty it first
     snap.restore(other, 4)
     assert other.length == 96
     for a, b in zip(state.layers, other.layers):
@@ -152,7 +151,7 @@ def test_engine_refuses_a_cache_cut_on_another_grid(model):
 
 def _filled(model, n):
     state = model.new_state(64)
-    model([Segment(torch.tensor(_prompt(n, seed=n)), state)])
+    model(torch.tensor(_prompt(n, seed=n)), state)
     return state
 
 

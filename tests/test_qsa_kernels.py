@@ -21,9 +21,13 @@ if importlib.util.find_spec("triton") is None:
 COMMON = r"""
 import json, math, sys, torch
 sys.path.insert(0, TESTS)
-from qwen4exp.engine.model import qsa, qsa_kernels
+from qwen4exp.engine.model import qsa
+from qwen4exp.kernels import qsa_attention as qsa_kernels
+from qwen4exp.engine.model.ops import TORCH_OPS
+from qwen4exp.engine.model.step import Step
+from qwen4exp.engine.model.triton_ops import TritonOps
 from qwen4exp.engine.state import AttentionState
-from test_qsa_select import ROTARY, make_indexer as float32_indexer
+from test_qsa_select import ROTARY, make_indexer as float32_indexer, select
 
 
 def make_indexer(overrides, dtype, device, seed):
@@ -38,18 +42,20 @@ def empty_state(indexer, capacity, dtype, device):
 
 
 def lists_and_masks(indexer, rotary, x, bounds, dtype, device):
-    '''Runs the chunks [a, b) of x through select (masks) and select_tokens (lists) on twin states.'''
+    '''Runs the chunks [a, b) of x through the torch selection (masks) and the kernels' (lists) on twin states.'''
     capacity = x.shape[0] + 8
     cos, sin = rotary.cos_sin(torch.arange(capacity, device=device), dtype)
     masked, listed = empty_state(indexer, capacity, dtype, device), empty_state(indexer, capacity, dtype, device)
     masks, lists = [], []
     with torch.inference_mode():
         for a, b in bounds:
-            mask = indexer.select(x[a:b], a, cos, sin, masked)
+            mask = select(indexer, x[a:b], a, cos, sin, masked)
             if mask is None:                               # dense: every token up to the query
                 mask = torch.arange(b, device=device)[None, :] <= torch.arange(a, b, device=device)[:, None]
             masks.append(mask)
-            lists.append(indexer.select_tokens(x[a:b], a, cos, sin, listed))
+            step = Step(TORCH_OPS, torch.zeros(b - a, dtype=torch.long, device=device),
+                        torch.arange(a, b, device=device), listed, cos, sin, start=a)
+            lists.append(TritonOps._chunk_token_lists(indexer, indexer.store_keys(x[a:b], step, listed), a, listed))
     return masks, lists
 
 
@@ -195,7 +201,7 @@ def test_kernels_at_shipped_sizes_on_gpu():
 
 
 def test_shapes_the_kernels_cannot_tile_take_the_torch_forms():
-    from qwen4exp.engine.model import qsa_kernels
+    from qwen4exp.kernels import qsa_attention as qsa_kernels
 
     assert qsa_kernels.fits(256, 24, 2, 128, 4)                 # the shipped model
     assert qsa_kernels.fits(32, 4, 2, 16, 8)                    # the tiny preset

@@ -1,4 +1,4 @@
-"""QSA prefill selection (`Indexer.select`): the query-sliced version picks exactly what the whole-chunk version
+"""QSA prefill selection (`Indexer.select_mask`): the query-sliced version picks exactly what the whole-chunk version
 picked, and its work space beyond the returned mask no longer grows with chunk x prefix."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from torch.utils._pytree import tree_leaves
 from qwen4exp.checkpoint.presets import preset_config
 from qwen4exp.engine.model import qsa
 from qwen4exp.engine.model.config import ModelConfig
+from qwen4exp.engine.model.ops import TORCH_OPS
 from qwen4exp.engine.model.rope import Rotary, apply_rotary
+from qwen4exp.engine.model.step import Step
 from qwen4exp.engine.state import AttentionState
 
 
@@ -34,13 +36,26 @@ def test_slices_grow_to_the_byte_budget_and_no_further(monkeypatch):
     assert qsa._slice_rows(65536, 4) * 65536 * 4 * 4 <= 512 << 20
 
 
+def select(indexer, x, start, cos_all, sin_all, state):
+    """A chunk's selection as the torch ops run it: the chunk's indexer keys stored, then the mask."""
+    n = x.shape[0]
+    step = Step(TORCH_OPS, torch.zeros(n, dtype=torch.long, device=x.device),
+                torch.arange(start, start + n, device=x.device), state, cos_all, sin_all, start=start)
+    return indexer.select_mask(indexer.store_keys(x, step, state), start, state)
+
+
 def whole_chunk_select(indexer, x, start, cos_all, sin_all, state):
     """The selection as it was before query slicing: every [n, n_blocks] score at once, a full stable sort."""
     n = x.shape[0]
     end = start + n
     q, raw_keys = indexer.index_qk_proj(x).split([indexer.heads * indexer.dim, indexer.dim], dim=-1)
     state.index_keys[start:end] = raw_keys
-    indexer._compress(start, end, cos_all, sin_all, state)
+    first, last = start // indexer.ratio, end // indexer.ratio
+    if last > first:
+        raw = state.index_keys[first * indexer.ratio:end // indexer.ratio * indexer.ratio]
+        pooled = indexer.k_layernorm(raw.reshape(last - first, indexer.ratio, -1).float().mean(1).to(raw.dtype))
+        starts = torch.arange(first, last) * indexer.ratio
+        state.block_keys[first:last] = apply_rotary(pooled, cos_all[starts], sin_all[starts])
     if end <= indexer.block_topk * indexer.ratio + indexer.ratio - 1:
         return None
     q = apply_rotary(indexer.q_layernorm(q.reshape(n, indexer.heads, indexer.dim)), cos_all[start:end],
@@ -111,7 +126,7 @@ def run_both(indexer, start: int, n: int, seed: int, blocks: str = "random", zer
     new_state = copy.deepcopy(old_state)
     with torch.inference_mode():
         old = whole_chunk_select(indexer, x, start, cos, sin, old_state)
-        new = indexer.select(x, start, cos, sin, new_state)
+        new = select(indexer, x, start, cos, sin, new_state)
     return old, new, old_state, new_state
 
 
@@ -206,7 +221,7 @@ def test_sliced_scores_have_the_whole_chunks_bits(monkeypatch, heads, dim):
         whole = torch.relu(torch.einsum("nhd,bd->nbh", q, blocks)).sum(-1) / math.sqrt(dim)
         for query_slice in (1, 33, 100, 256):
             monkeypatch.setattr(qsa, "QUERY_SLICE", query_slice)
-            sliced = torch.cat([indexer._block_scores(q[first:last], blocks) for first, last in qsa._query_slices(n)])
+            sliced = torch.cat([indexer._block_scores(q[first:last], blocks) for first, last in qsa.query_slices(n)])
             assert torch.equal(sliced.view(torch.int32), whole.view(torch.int32)), (n, n_blocks, query_slice)
 
 
@@ -215,7 +230,7 @@ def test_query_slices_cover_the_chunk_in_bounded_pieces(monkeypatch):
         monkeypatch.setattr(qsa, "QUERY_SLICE", query_slice)
         most = max(32, query_slice)
         for n in range(1, 700, 7):
-            slices = qsa._query_slices(n)
+            slices = qsa.query_slices(n)
             assert slices[0][0] == 0 and slices[-1][1] == n
             assert all(a[1] == b[0] for a, b in pairwise(slices))
             sizes = [last - first for first, last in slices]
@@ -256,7 +271,7 @@ def test_work_space_is_bounded_by_the_query_slice(monkeypatch):
     indexer = make_indexer(TINY, 0)
     start, n = 4000, 600
     n_blocks = (start + n) // indexer.ratio
-    largest, mask = _largest_temporary(qsa.Indexer.select, indexer, start, n)
+    largest, mask = _largest_temporary(select, indexer, start, n)
     assert mask.shape == (n, start + n)
     # One slice's scores (32 rows x blocks x heads) at most: nothing of chunk x prefix size but the mask.
     assert largest <= 32 * n_blocks * indexer.heads < n * n_blocks
@@ -273,7 +288,7 @@ def test_selection_runs_with_autograd_on():
     cos, sin = ROTARY.cos_sin(torch.arange(start + n), torch.float32)
     state = make_state(indexer, start + n, start, gen, "random")
     reference = copy.deepcopy(state)
-    mask = indexer.select(x, start, cos, sin, state)
+    mask = select(indexer, x, start, cos, sin, state)
     with torch.no_grad():
         expected = whole_chunk_select(indexer, x, start, cos, sin, reference)
     assert torch.equal(mask, expected)

@@ -17,7 +17,8 @@ if importlib.util.find_spec("triton") is None:
 
 COMMON = r"""
 import json, torch
-from qwen4exp.engine.model import qsa, qsa_select_kernel
+from qwen4exp.engine.model import qsa
+from qwen4exp.kernels import qsa_select as qsa_select_kernel
 
 
 def ranking_keys(scores, complete):
@@ -84,7 +85,7 @@ def test_kernel_lists_the_tokens_of_the_torch_form(results):
 
 def test_kernel_refuses_more_blocks_than_there_are():
     import torch
-    from qwen4exp.engine.model import qsa_select_kernel
+    from qwen4exp.kernels import qsa_select as qsa_select_kernel
 
     keys = torch.zeros(2, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="k \\(9\\) must be at most the 8 blocks"):

@@ -14,7 +14,8 @@ if importlib.util.find_spec("triton") is None:
 
 CHILD = r"""
 import json, torch
-from qwen4exp.engine.model import rope, rope_kernel
+from qwen4exp.engine.model import rope
+from qwen4exp.kernels import rope as rope_kernel
 
 results = {}
 gen = torch.Generator().manual_seed(0)

@@ -34,7 +34,7 @@ def steps_apart(a, b) -> float:
 
 CHILD = "import torch\n" + inspect.getsource(stable_route) + inspect.getsource(steps_apart) + r"""
 import json
-from qwen4exp.engine.model import router_kernel
+from qwen4exp.kernels import router as router_kernel
 
 results = {}
 gen = torch.Generator().manual_seed(0)
@@ -80,7 +80,7 @@ def test_ties_go_to_the_lower_expert_and_nan_rows_stay_in_range(results):
 def test_router_kernel_at_shipped_sizes_on_gpu():
     """512 experts, top 10, 4 decode rows and 4096 rows, on the GPU against torch's router in stable order."""
     import torch
-    from qwen4exp.engine.model import router_kernel
+    from qwen4exp.kernels import router as router_kernel
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA/ROCm device")
@@ -88,7 +88,7 @@ def test_router_kernel_at_shipped_sizes_on_gpu():
     for rows in (4, 4096):
         logits = (torch.randn(rows, 512, generator=gen, device="cuda") * 2).bfloat16()
         with torch.inference_mode():
-            assert router_kernel.usable(logits)
+            assert router_kernel.fits(logits)
             ids, weights = router_kernel.route_rows(logits, 10, True)
         want_ids, want_weights = stable_route(logits, 10, True)
         assert torch.equal(ids, want_ids)

@@ -16,7 +16,7 @@ if importlib.util.find_spec("triton") is None:
 
 CHILD = r"""
 import json, torch
-from qwen4exp.engine.model import row_products
+from qwen4exp.kernels import row_products
 
 results = {}
 gen = torch.Generator().manual_seed(0)
@@ -45,8 +45,9 @@ try:
     results["bad_shape"] = "accepted"
 except ValueError as err:
     results["bad_shape"] = str(err)
-results["cpu_uses_f_linear"] = not row_products.usable(torch.zeros(2, 8, dtype=torch.bfloat16),
-                                                       torch.zeros(4, 8, dtype=torch.bfloat16))
+from qwen4exp.engine.model.backend import ops_for
+from qwen4exp.engine.model.ops import TORCH_OPS
+results["cpu_uses_f_linear"] = ops_for(torch.zeros(4, 8, dtype=torch.bfloat16)) is TORCH_OPS
 print(json.dumps(results))
 """
 
@@ -80,7 +81,7 @@ def test_decode_shapes_within_one_rounding_on_gpu(shape):
     hyper-connection stack), 4 rows: within one bf16 rounding of the exact product, rows independent."""
     import torch
     import torch.nn.functional as F
-    from qwen4exp.engine.model import row_products
+    from qwen4exp.kernels import row_products
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA/ROCm device")
@@ -89,7 +90,7 @@ def test_decode_shapes_within_one_rounding_on_gpu(shape):
     x = torch.randn(4, k, generator=gen, device="cuda").bfloat16()
     w = (torch.randn(n, k, generator=gen, device="cuda") * 0.05).bfloat16()
     with torch.inference_mode():
-        assert row_products.usable(x, w) and row_products.faster_than_cublas(n)
+        assert row_products.fits(x, w) and row_products.faster_than_cublas(n)
         got = row_products.linear(x, w)
         want = F.linear(x, w)
         alone = torch.cat([row_products.linear(x[i:i + 1], w) for i in range(4)])

@@ -14,7 +14,6 @@ import qwen4exp
 from qwen4exp.checkpoint.loader import read_config
 from qwen4exp.engine.generate import generate
 from qwen4exp.engine.loading import load_model
-from qwen4exp.engine.model.causal_lm import Segment
 from qwen4exp.engine.model.training import training_forward, training_logits
 from qwen4exp.tokenizer import Tokenizer
 
@@ -83,27 +82,27 @@ def test_the_asset_is_a_complete_small_checkpoint(model, tok):
 
 def test_greedy_completion_is_readable_english(model, tok, known_words):
     result = generate(model, tok.encode("And God said unto Noah,"), max_tokens=40)
-    assert_readable(tok.decode(result.token_ids), known_words)
+    assert_readable(tok.decode(result.output_ids), known_words)
 
 
 def test_chat_answer_is_readable_and_ends(model, tok, known_words):
     prompt = tok.apply_chat_template([{"role": "user", "content": "Who made the heaven and the earth?"}])
     result = generate(model, tok.encode(prompt), max_tokens=80, stop_ids=tuple(tok.eos_token_ids))
-    assert_readable(tok.decode(result.token_ids, skip_special_tokens=True), known_words)
+    assert_readable(tok.decode(result.output_ids, skip_special_tokens=True), known_words)
     assert result.finish_reason == "stop", "the answer should end with <|im_end|>"
 
 
 def test_greedy_is_deterministic(model, tok):
     ids = tok.encode("Blessed are the")
-    first = generate(model, ids, max_tokens=24).token_ids
-    assert generate(model, ids, max_tokens=24).token_ids == first
-    assert generate(model, ids, max_tokens=24, chunk=2).token_ids == first
+    first = generate(model, ids, max_tokens=24).output_ids
+    assert generate(model, ids, max_tokens=24).output_ids == first
+    assert generate(model, ids, max_tokens=24, chunk=4).output_ids == first
 
 
 def test_training_forward_is_the_serving_forward(model, tok):
     ids = torch.tensor(tok.encode(VERSE))
     assert ids.numel() > model.config.dense_limit, "the check must reach sparse QSA selection"
-    served = model([Segment(ids, model.new_state(ids.numel()))], all_logits=True)[0]
+    served = model(ids, model.new_state(ids.numel()), all_logits=True)
     with torch.no_grad():
         trained = training_logits(model, ids[None])[0]
     assert (trained - served).abs().max().item() < 1e-4
@@ -130,6 +129,6 @@ def test_transformers_loads_it_with_the_same_logits(model, tok):
     ids = torch.tensor(tok.encode(VERSE))
     with torch.no_grad():
         expected = reference.eval()(ids[None]).logits[0]
-    got = model([Segment(ids, model.new_state(ids.numel()))], all_logits=True)[0]
+    got = model(ids, model.new_state(ids.numel()), all_logits=True)
     assert (got - expected).abs().max().item() < 1e-4
     assert read_config(ASSET)["vocab_size"] == expected.shape[-1]

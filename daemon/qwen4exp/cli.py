@@ -8,8 +8,6 @@ import logging
 import sys
 from pathlib import Path
 
-from .model_dir import resolve_model
-
 PRESET_MODELS = ("tiny", "bench", "full")
 
 
@@ -20,93 +18,64 @@ def _parse_ids(text: str) -> list[int]:
         raise SystemExit(f"error: --prompt-ids must be comma-separated integers: {err}") from None
 
 
+GENERATE_OVERRIDES = {"model": "model", "chunk": "chunk", "dtype": "dtype", "slots": "slots", "context": "max_ctx"}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .engine.generate import generate
-    from .engine.loading import load_model
-    from .engine.sampling import SamplingParams
-    from .tokenizer import Tokenizer
-
-    model_dir = resolve_model(args.model)
-    model = load_model(str(model_dir), dtype=args.dtype, device=args.device, progress=not args.json)
-    tokenizer = Tokenizer.from_dir(model_dir)
-    if args.prompts_file is not None:
-        return _generate_many(args, model, tokenizer)
-    if args.prompt_ids is not None:
-        prompt_ids = _parse_ids(args.prompt_ids)
-    elif args.chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
-        prompt_ids = tokenizer.encode(text)
-    else:
-        prompt_ids = tokenizer.encode(args.prompt)
-    sampling = SamplingParams(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, seed=args.seed)
-    stop = () if args.ignore_eos else tuple(tokenizer.eos_token_ids)
-    stream = None
-    if not args.json:
-        decoder = tokenizer.detokenizer()
-
-        def stream(token: int) -> None:
-            sys.stdout.write(decoder.push(token))
-            sys.stdout.flush()
-    try:
-        result = generate(model, prompt_ids, args.max_tokens, sampling, chunk=args.chunk, stop_ids=stop,
-                          on_token=stream)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
-    text = tokenizer.decode(result.token_ids)
-    if args.json:
-        print(json.dumps({
-            "prompt_tokens": result.prompt_tokens,
-            "token_ids": result.token_ids,
-            "text": text,
-            "finish_reason": result.finish_reason,
-            "timings": {
-                "prefill_ms": round(result.prefill_s * 1000, 3),
-                "prefill_tokens_per_s": round(result.prompt_tokens / result.prefill_s, 2) if result.prefill_s else None,
-                "decode_ms": round(result.decode_s * 1000, 3),
-                "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
-            },
-        }))
-    else:
-        print(f"\n[{len(result.token_ids)} tokens, {result.finish_reason}; prefill {result.prompt_tokens} tokens in "
-              f"{result.prefill_s * 1000:.1f} ms, decode {result.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
-    return 0
-
-
-def _generate_many(args: argparse.Namespace, model, tokenizer) -> int:
-    """Run every request of --prompts-file together through the engine; print the answers in file order."""
+    """Run the prompt (or every request of --prompts-file) through an engine built from the profile as `serve`
+    builds it: same chunk grid, same decode step, so an answer here is the answer the daemon serves."""
     import time
+    from dataclasses import replace
 
     from .engine.engine import Engine
+    from .engine.engine_config import EngineConfig
     from .engine.request import RequestRejected
-    from .prompts_file import PromptsFileError, read_requests
+    from .tokenizer import Tokenizer
 
-    eos = () if args.ignore_eos else tuple(tokenizer.eos_token_ids)
+    if args.max_tokens < 1:
+        raise SystemExit(f"error: --max-tokens must be at least 1, got {args.max_tokens}")
+    if args.slots is None and args.prompts_file is None:
+        args.slots = 1
+    overrides = {}
+    if args.device is not None:
+        from .engine.loading import resolve_device
+        try:
+            device = str(resolve_device(args.device))
+        except (RuntimeError, ValueError) as err:
+            raise SystemExit(f"error: --device: {err}") from None
+        overrides["devices"] = [{"name": device, "role": "target"}]
+    config = EngineConfig.from_settings(_settings(args, GENERATE_OVERRIDES, overrides))
+    tokenizer = Tokenizer.from_dir(config.model)
+    requests = _generate_requests(args, tokenizer)
+    # A context the command line did not give is what the requests need, in whole chunks: the context only sizes
+    # the slots (a request's numbers do not depend on it), and fitting one to the device would cost more than
+    # the answers.
+    context = config.max_ctx if args.context is not None else \
+        -(-max(len(r.prompt_ids) + r.max_tokens for r in requests) // config.chunk) * config.chunk
+    config = replace(config, queue_limit=max(config.queue_limit, len(requests)))
     try:
-        requests = read_requests(args.prompts_file, tokenizer, args.max_tokens, eos)
-    except PromptsFileError as err:
-        raise SystemExit(f"error: {err}") from None
-    chunk = args.chunk or 512
-    longest = max(len(r.prompt_ids) + r.max_tokens for r in requests)
-    context = args.context or -(-longest // chunk) * chunk
-    try:
-        engine = Engine(model, slots=args.slots, context=context, chunk=chunk, tokenizer=tokenizer,
-                        queue_limit=max(64, len(requests)))
-        started = time.perf_counter()
-        for number, request in enumerate(requests, start=1):
-            try:
-                engine.submit(request)
-            except RequestRejected as err:
-                raise SystemExit(f"error: {args.prompts_file} request {number}: {err}") from None
-        engine.run_until_idle()
+        _, model = config.load_model(progress=not args.json)
+        engine = Engine.from_config(model, config, context=context, tokenizer=tokenizer)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
+    if args.prompts_file is None and not args.json:
+        _stream_to_stdout(requests[0])
+    started = time.perf_counter()
+    for number, request in enumerate(requests, start=1):
+        try:
+            engine.submit(request)
+        except RequestRejected as err:
+            where = f"{args.prompts_file} request {number}: " if args.prompts_file is not None else ""
+            raise SystemExit(f"error: {where}{err}") from None
+    engine.run_until_idle()
     wall = time.perf_counter() - started
+    if args.prompts_file is None:
+        return _print_answer(args, requests[0])
     answers = [{"index": i, "prompt_tokens": len(r.prompt_ids), "token_ids": r.output_ids, "text": r.text,
                 "finish_reason": r.finish_reason.value, "error": r.error, "timings": r.timings()}
                for i, r in enumerate(requests)]
     if args.json:
-        print(json.dumps({"slots": args.slots, "context": context, "chunk": chunk, "wall_s": round(wall, 3),
+        print(json.dumps({"slots": config.slots, "context": context, "chunk": config.chunk, "wall_s": round(wall, 3),
                           "generated_tokens": sum(len(r.output_ids) for r in requests), "answers": answers}))
         return 0
     for answer in answers:
@@ -118,14 +87,77 @@ def _generate_many(args: argparse.Namespace, model, tokenizer) -> int:
     return 0
 
 
-def _settings(args: argparse.Namespace, keys: dict[str, str]):
-    """The effective settings: command line (--set key=value, then the dedicated flags) > environment > profile >
-    defaults."""
+def _generate_requests(args: argparse.Namespace, tokenizer) -> list:
+    """The requests of --prompts-file, or the one of --prompt / --prompt-ids as the daemon's /generate (or, with
+    --chat, /v1/chat/completions) would make it."""
+    from .engine.request import Request
+    from .engine.sampling import SamplingParams
+    from .prompts_file import PromptsFileError, read_requests
+
+    eos = () if args.ignore_eos else tuple(tokenizer.eos_token_ids)
+    if args.prompts_file is not None:
+        try:
+            return read_requests(args.prompts_file, tokenizer, args.max_tokens, eos)
+        except PromptsFileError as err:
+            raise SystemExit(f"error: {err}") from None
+    if args.prompt_ids is not None:
+        prompt_ids = _parse_ids(args.prompt_ids)
+    elif args.chat:
+        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    try:
+        sampling = SamplingParams(temperature=0.0 if args.greedy else args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p, seed=args.seed)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    return [Request(prompt_ids=prompt_ids, max_tokens=args.max_tokens, sampling=sampling, stop_token_ids=eos)]
+
+
+def _stream_to_stdout(request) -> None:
+    """Print the answer's text as it is made; the detokenizer's last held-back bytes come with the finish."""
+    printed = 0
+
+    def write(text: str) -> None:
+        nonlocal printed
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        printed += len(text)
+
+    request.on_token = lambda r, token, delta: write(delta)
+    request.on_finish = lambda r: write(r.text[printed:])
+
+
+def _print_answer(args: argparse.Namespace, request) -> int:
+    if request.error is not None:
+        raise SystemExit(f"error: {request.error}")
+    timings = request.timings()
+    prefill_ms = timings["prefill_ms"]
+    prefill_rate = round(len(request.prompt_ids) / prefill_ms * 1000, 2) if prefill_ms else None
+    if args.json:
+        print(json.dumps({
+            "prompt_tokens": len(request.prompt_ids),
+            "token_ids": request.output_ids,
+            "text": request.text,
+            "finish_reason": request.finish_reason.value,
+            "timings": {"prefill_ms": prefill_ms, "prefill_tokens_per_s": prefill_rate,
+                        "decode_ms": timings["decode_ms"], "decode_tokens_per_s": timings["decode_tokens_per_s"]},
+        }))
+    else:
+        rate = timings["decode_tokens_per_s"]
+        print(f"\n[{len(request.output_ids)} tokens, {request.finish_reason.value}; prefill {len(request.prompt_ids)} "
+              f"tokens in {prefill_ms:.1f} ms, decode {f'{rate:.1f} tok/s' if rate else 'none'}]", file=sys.stderr)
+    return 0
+
+
+def _settings(args: argparse.Namespace, keys: dict[str, str], extra: dict | None = None):
+    """The effective settings: command line (--set key=value, then the dedicated flags and `extra`) > environment >
+    profile > defaults."""
     from .config import ConfigError, load_settings, parse_assignments
     try:
         overrides = parse_assignments(getattr(args, "set", None) or [])
         overrides |= {key: getattr(args, attr) for attr, key in keys.items() if getattr(args, attr, None) is not None}
-        return load_settings(args.profile, overrides=overrides)
+        return load_settings(args.profile, overrides=overrides | (extra or {}))
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
 
@@ -137,12 +169,13 @@ SERVE_OVERRIDES = {"model": "model", "host": "server.host", "port": "server.port
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from .engine.engine_config import EngineConfig
     from .server.serve import serve
-    from .server.settings_bridge import engine_options, server_options
+    from .server.shared import ServerOptions
 
     settings = _settings(args, SERVE_OVERRIDES)
     logging.getLogger().setLevel(settings.log_level.upper())
-    engine, options = engine_options(settings, resolve_model), server_options(settings)
+    engine, options = EngineConfig.from_settings(settings), ServerOptions.from_settings(settings)
     host, port = settings.server.host, settings.server.port
     print(f"qwen4exp: profile {settings.profile_path or 'defaults'}; loading {engine.model} ...", file=sys.stderr)
     asyncio.run(serve(engine, options, host, port,
@@ -209,16 +242,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text offline from a checkpoint")
-    gen.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' (the embedded model, default)")
+    gen = sub.add_parser("generate", help="generate text offline, through the engine a profile serves")
+    gen.add_argument("--profile", default=None, help="a profile name or path (default: QWEN4EXP_PROFILE, else tiny): "
+                     "model, device, dtype, chunk and the decode settings; the flags below override it")
+    gen.add_argument("--model", default=None, help="checkpoint directory, or 'tiny' (the embedded model)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
     source.add_argument("--prompts-file", help="JSONL, one request per line, run together through the engine "
                         "(see qwen4exp/prompts_file.py for the fields)")
-    gen.add_argument("--slots", type=int, default=4, help="engine slots for --prompts-file (1-8)")
+    gen.add_argument("--slots", type=int, default=None,
+                     help="engine slots (1-8; default: 1 for --prompt, the profile's for --prompts-file). On a GPU, "
+                          "decode at another slot count may round differently: give the server's count to "
+                          "reproduce its answers bit for bit")
     gen.add_argument("--context", type=int, default=None,
-                     help="per-slot context for --prompts-file (default: the longest request, rounded up)")
+                     help="per-slot context (default: the longest request, rounded up to whole chunks)")
     gen.add_argument("--chat", action="store_true", help="wrap --prompt as a user turn of the chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--greedy", action="store_true", help="pick the most likely token (same as --temperature 0)")
@@ -226,11 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--chunk", type=int, default=None, help="prefill the prompt in chunks of this many tokens")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    gen.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    gen.add_argument("--chunk", default=None, help="prompt tokens per prefill forward, or 'auto' (default: the "
+                     "profile's, which a served answer is cut with)")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    gen.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default: the profile's target)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON document with ids, text and timings")
+    _add_set(gen)
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the HTTP API (native, OpenAI-compatible, admin) from a profile")

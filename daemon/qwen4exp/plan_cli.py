@@ -13,8 +13,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "plan", help="measure the model on the device and print the memory plan (fitted context, budget, "
                      "probes) without serving")
     plan.add_argument("--profile", default=None,
-                      help="take model, device, dtype, slots, max_ctx, memory limit and snapshots from a profile; "
-                           "the flags below override it")
+                      help="fit for the engine `serve` builds from a profile (model, device, dtype, slots, max_ctx, "
+                           "chunk, memory limit); the flags below override it")
     plan.add_argument("--model", default=None, help="checkpoint directory, or 'tiny' (default)")
     plan.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default)")
     plan.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
@@ -28,8 +28,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--device-memory-limit", default=None, metavar="SIZE",
                       help="cap this process's memory on the device, e.g. 32GiB, 512MiB, 1.5GB or bytes")
     plan.add_argument("--snapshots", choices=["auto", "host", "device"], default=None,
-                      help="where prefix snapshots live (auto: on the device for cpu and integrated GPUs, "
-                           "else in host memory); on the device one full snapshot per slot is reserved")
+                      help="where prefix snapshots live (auto: where serve puts them, on the device for cpu and "
+                           "integrated GPUs, else in host memory); on the device one full snapshot per slot is "
+                           "reserved")
     plan.add_argument("--headroom", type=float, default=0.1, help="fraction of capacity kept free (0.1)")
     plan.add_argument("--no-verify", action="store_true",
                       help="skip allocating every slot at the answer to check it for real")
@@ -53,12 +54,13 @@ def parse_limit(text: str | None) -> int | None:
     return limit
 
 
-def _snapshots_on_device(choice: str, device) -> bool:
-    """--snapshots, or for "auto" the rule `serve` follows (engine/snapshot.py)."""
-    if choice != "auto":
-        return choice == "device"
-    from .engine.snapshot import snapshots_share_device_memory
-    return snapshots_share_device_memory(device)
+def _max_ctx(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--max-ctx must be 'auto' or a number of positions, got {text!r}") from None
 
 
 def _chunk(choice: str, device) -> int:
@@ -75,60 +77,57 @@ def _chunk(choice: str, device) -> int:
     return chunk
 
 
-def _fill_from_profile(args: argparse.Namespace) -> None:
-    """Flags given on the command line win; the rest come from --profile, else the defaults."""
-    values = {"model": "tiny", "device": "auto", "dtype": "auto", "slots": 4, "max_ctx": "auto", "chunk": "auto",
-              "snapshots": "auto", "device_memory_limit": None}
+def _config(args: argparse.Namespace):
+    """The engine plan fits for: the one `serve` builds from --profile (EngineConfig.from_settings), else the
+    defaults below; the flags given on the command line win. Returns (config, device)."""
+    from dataclasses import replace
+
+    from .engine.engine_config import EngineConfig
+    from .model_dir import resolve_model
+
     if args.profile is not None:
         from .config import ConfigError, load_settings
         try:
-            settings = load_settings(args.profile)
+            config = EngineConfig.from_settings(load_settings(args.profile))
         except ConfigError as err:
             raise SystemExit(f"error: {err}") from None
-        target, keeper = settings.target, settings.snapshot_device
-        limit = settings.memory_limit_for(target)
-        values.update(model=settings.model, device=target.name, dtype=settings.dtype, slots=settings.slots,
-                      max_ctx=str(settings.max_ctx), chunk=str(settings.chunk_tokens),
-                      device_memory_limit=None if limit is None else str(limit),
-                      snapshots="auto" if keeper is None else ("host" if keeper.name == "cpu" and
-                                                               target.name != "cpu" else "device"))
-    for key, value in values.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    else:
+        config = EngineConfig(model=str(resolve_model("tiny")), device="auto", dtype="auto", slots=4, max_ctx="auto")
+    flags = {"model": None if args.model is None else str(resolve_model(args.model)), "device": args.device,
+             "dtype": args.dtype, "slots": args.slots,
+             "max_ctx": None if args.max_ctx is None else _max_ctx(args.max_ctx),
+             "device_memory_limit": parse_limit(args.device_memory_limit)}
+    config = replace(config, **{key: value for key, value in flags.items() if value is not None})
+    device = config.torch_device()
+    if args.chunk is not None or args.profile is None:
+        config = replace(config, chunk=_chunk(args.chunk or "auto", device))
+    return config, device
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .model_dir import resolve_model
-    from .engine.fit import FitError, fit_context, floor_chunk, resolve_max_ctx
-    from .engine.loading import load_model, resolve_device
-    from .engine.memory import as_device, set_device_memory_limit
+    from .engine.fit import FitError, fit_context
 
-    _fill_from_profile(args)
     try:
-        limit = parse_limit(args.device_memory_limit)
-        device = as_device(resolve_device(args.device))
-        chunk = _chunk(args.chunk, device)
+        config, device = _config(args)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    model_dir = resolve_model(args.model)
-    model = load_model(str(model_dir), dtype=dtype, device=device, progress=not args.json)
-    snapshots = _snapshots_on_device(args.snapshots, device)
-    settings: dict[str, Any] = dict(slots=args.slots, device=device, snapshots_on_device=snapshots,
-                                    chunk_floor=floor_chunk(chunk), memory_limit=limit, headroom=args.headroom,
-                                    verify=not args.no_verify)
+    _, model = config.load_model(progress=not args.json)
+    # What plan asks beyond the engine's own settings: the margin kept free, whether to verify the answer, and
+    # where snapshots would live (--snapshots; "auto" is where `serve` puts them).
+    extra: dict[str, Any] = dict(headroom=args.headroom, verify=not args.no_verify)
+    if args.snapshots not in (None, "auto"):
+        extra["snapshots_on_device"] = args.snapshots == "device"
+    settings = config.fit_settings(device) | extra
     try:
-        if limit is not None:
-            set_device_memory_limit(device, limit)
-        choice = resolve_max_ctx(args.max_ctx, model, **settings)
+        choice = config.resolve_context(model, device, **extra)
         # A given number is checked, not searched: the search starts and ends there.
         result = choice.fit or fit_context(model, trained=choice.context, step=choice.context,
                                            floor=choice.context, **settings)
     except (FitError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
-    header = {"model": str(model_dir), "device": str(device), "dtype": dtype, "slots": args.slots,
-              "max_ctx": args.max_ctx, "chunk": chunk, "device_memory_limit": limit,
-              "snapshots": "device" if snapshots else "host"}
+    header = {"model": config.model, "device": str(device), "dtype": config.dtype_on(device), "slots": config.slots,
+              "max_ctx": config.max_ctx, "chunk": config.chunk, "device_memory_limit": config.device_memory_limit,
+              "snapshots": "device" if settings["snapshots_on_device"] else "host"}
     if args.json:
         print(json.dumps(_as_json(header, result)))
     else:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from importlib import resources
+from .config.sources import shipped_dir
 
 ENV_TEMPLATE = """# Keys for qwen4exp (read by systemd; keep this file mode 0600).
 # QWEN4EXP_API_KEY=
@@ -24,7 +24,7 @@ ENV_TEMPLATE = """# Keys for qwen4exp (read by systemd; keep this file mode 0600
 
 
 def unit_text(user: str, profile: str, executable: str | None = None) -> str:
-    template = resources.files("qwen4exp").joinpath("systemd/qwen4exp.service").read_text()
+    template = (shipped_dir("systemd") / "qwen4exp.service").read_text()
     exec_start = executable or f"{shlex.quote(sys.executable)} -m qwen4exp"
     return template.replace("@EXEC@", exec_start).replace("@USER@", user).replace("@PROFILE@", profile)
 

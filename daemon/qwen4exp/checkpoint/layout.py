@@ -1,18 +1,28 @@
-"""Tensor names and shapes: the runtime state_dict of a config, and how each tensor is laid out on disk.
+"""The runtime tensors of a config, read from the model itself built on the meta device, and how each is laid out
+on disk.
 
-Runtime names are transformers' `Qwen4ExpForCausalLM` state_dict names plus the MTP head under `mtp.*`.
+Runtime names are the model's state_dict names (transformers' `Qwen4ExpForCausalLM` plus the MTP head, `mtp.*`).
 On disk (what `Qwen4ExpForConditionalGeneration.save_pretrained` writes) the text model sits under
 `model.language_model.*`, every expert projection is its own tensor, and the PLE n-gram table is split on dim 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.model import ngram_hash
+import torch
+from torch import nn
+
+from ..engine.model.causal_lm import Qwen4ExpForCausalLM
+from ..engine.model.config import ModelConfig
+from ..engine.model.gated_deltanet import GatedDeltaNet
+from ..engine.model.moe import Experts, Router
+from ..engine.model.norms import GatedRMSNorm, RMSNorm
+from ..engine.model.ple import NGramEmbedding
 
 TEXT_PREFIX = "model."
 DISK_TEXT_PREFIX = "model.language_model."
@@ -21,6 +31,11 @@ MTP_PREFIX = "mtp."
 
 _EXPERT_RE = re.compile(r"^(?P<base>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 _PLE_SHARD_RE = re.compile(r"^(?P<base>.+\.ngram_embedding)\.shard_(?P<shard>\d+)\.weight$")
+
+# The random writer's distribution (`TensorSpec.init`; writer._draw scales it) for the tensors of each module kind.
+_INIT_BY_MODULE = {nn.Linear: "fan_in", Experts: "fan_in", Router: "router", nn.Embedding: "embedding",
+                   nn.Conv1d: "conv", RMSNorm: "norm", GatedRMSNorm: "gated_norm"}
+_DELTANET_INIT = {"dt_bias": "dt_bias", "A_log": "a_log"}
 
 
 @dataclass(frozen=True)
@@ -62,146 +77,37 @@ def ple_row_ranges(rows: int, parts: int) -> list[tuple[int, int]]:
     return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
-def _eos(text: dict[str, Any]) -> int:
-    eos = text["eos_token_id"]
-    return eos[0] if isinstance(eos, list) else eos
+def _spec(model: Qwen4ExpForCausalLM, name: str, tensor: torch.Tensor) -> TensorSpec:
+    """Runtime tensor `name` with the distribution the random writer draws it from, chosen by its module's kind."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    shape = tuple(tensor.shape)
+    if isinstance(owner, NGramEmbedding) and leaf in owner._constants:
+        # The buffers may be on meta (no values): take the constants the module fills them from.
+        return TensorSpec(name, shape, "const", tuple(owner._constants[leaf]))
+    if owner is model.lm_head:
+        init = "lm_head"
+    elif isinstance(owner, GatedDeltaNet):
+        init = _DELTANET_INIT.get(leaf)
+    else:
+        init = _INIT_BY_MODULE.get(type(owner))
+    if init is None:
+        raise ValueError(f"{name}: no random-weight distribution for tensor {leaf!r} of {type(owner).__name__}")
+    return TensorSpec(name, shape, init)
 
 
-def _linear(name: str, out_features: int, in_features: int, init: str = "fan_in") -> TensorSpec:
-    return TensorSpec(name + ".weight", (out_features, in_features), init)
-
-
-def _hyper(prefix: str, t: dict[str, Any], with_inject: bool = True) -> list[TensorSpec]:
-    wide = t["hc_count"] * t["hidden_size"]
-    specs = [
-        TensorSpec(f"{prefix}.hc_norm.weight", (wide,), "norm"),
-        _linear(f"{prefix}.input_mix_weight_down", t["hc_lowrank"], wide),
-        _linear(f"{prefix}.input_mix_weight_up", wide, t["hc_lowrank"]),
-    ]
-    if with_inject:
-        specs.append(_linear(f"{prefix}.block_inject_weight", t["hc_count"], wide))
-    return specs
-
-
-def _gated_deltanet(prefix: str, t: dict[str, Any]) -> list[TensorSpec]:
-    hidden, heads_v = t["hidden_size"], t["linear_num_value_heads"]
-    key_dim = t["linear_num_key_heads"] * t["linear_key_head_dim"]
-    value_dim = heads_v * t["linear_value_head_dim"]
-    conv_dim = 2 * key_dim + value_dim
-    return [
-        TensorSpec(f"{prefix}.dt_bias", (heads_v,), "dt_bias"),
-        TensorSpec(f"{prefix}.A_log", (heads_v,), "a_log"),
-        TensorSpec(f"{prefix}.conv1d.weight", (conv_dim, 1, t["linear_conv_kernel_dim"]), "conv"),
-        TensorSpec(f"{prefix}.norm.weight", (t["linear_value_head_dim"],), "gated_norm"),
-        _linear(f"{prefix}.out_proj", hidden, value_dim),
-        _linear(f"{prefix}.in_proj_qkv", conv_dim, hidden),
-        _linear(f"{prefix}.in_proj_z", value_dim, hidden),
-        _linear(f"{prefix}.in_proj_b", heads_v, hidden),
-        _linear(f"{prefix}.in_proj_a", heads_v, hidden),
-    ]
-
-
-def _qsa(prefix: str, t: dict[str, Any]) -> list[TensorSpec]:
-    hidden, head_dim = t["hidden_size"], t["head_dim"]
-    q_heads, kv_heads = t["num_attention_heads"], t["num_key_value_heads"]
-    index_dim = t["indexer_head_dim"]
-    return [
-        _linear(f"{prefix}.q_proj", q_heads * head_dim * 2, hidden),  # query and output gate, interleaved per head
-        _linear(f"{prefix}.k_proj", kv_heads * head_dim, hidden),
-        _linear(f"{prefix}.v_proj", kv_heads * head_dim, hidden),
-        _linear(f"{prefix}.o_proj", hidden, q_heads * head_dim),
-        TensorSpec(f"{prefix}.q_norm.weight", (head_dim,), "norm"),
-        TensorSpec(f"{prefix}.k_norm.weight", (head_dim,), "norm"),
-        _linear(f"{prefix}.indexer.index_qk_proj", (t["indexer_n_heads"] + t["indexer_kv_heads"]) * index_dim, hidden),
-        TensorSpec(f"{prefix}.indexer.q_layernorm.weight", (index_dim,), "norm"),
-        TensorSpec(f"{prefix}.indexer.k_layernorm.weight", (index_dim,), "norm"),
-    ]
-
-
-def _moe(prefix: str, t: dict[str, Any]) -> list[TensorSpec]:
-    hidden, experts = t["hidden_size"], t["num_experts"]
-    inter, shared = t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
-    return [
-        _linear(f"{prefix}.gate", experts, hidden, "router"),
-        TensorSpec(f"{prefix}.experts.gate_up_proj", (experts, 2 * inter, hidden), "fan_in"),
-        TensorSpec(f"{prefix}.experts.down_proj", (experts, hidden, inter), "fan_in"),
-        _linear(f"{prefix}.shared_expert.gate_proj", shared, hidden),
-        _linear(f"{prefix}.shared_expert.up_proj", shared, hidden),
-        _linear(f"{prefix}.shared_expert.down_proj", hidden, shared),
-        _linear(f"{prefix}.shared_expert_gate", 1, hidden),
-    ]
-
-
-def ple_table_rows(t: dict[str, Any], ple_layer_index: int) -> tuple[list[int], int]:
-    """The prime head sizes of one PLE layer and the padded row count of its n-gram table."""
-    heads = (t["ngram_size"] - 1) * t["heads_per_ngram"]
-    sizes = ngram_hash.head_vocab_sizes(t["ngram_vocab_size_base"], heads, ple_layer_index)
-    return sizes, ngram_hash.padded_table_rows(sizes, t["make_ngram_vocab_size_divisible_by"])
-
-
-def _ple(prefix: str, t: dict[str, Any], ple_layer_index: int) -> list[TensorSpec]:
-    wide = t["hc_count"] * t["hidden_size"]
-    dim = t["ple_embed_dim"]
-    heads = (t["ngram_size"] - 1) * t["heads_per_ngram"]
-    sizes, rows = ple_table_rows(t, ple_layer_index)
-    multipliers = ngram_hash.layer_multipliers(t["vocab_size"], t["ngram_size"], ple_layer_index, t["seed"])
-    emb = f"{prefix}.ple_embedding"
-    return [
-        TensorSpec(f"{emb}.layer_multipliers", (len(multipliers),), "const", tuple(multipliers)),
-        TensorSpec(f"{emb}.ngram_heads_vocab_sizes", (heads,), "const", tuple(sizes)),
-        TensorSpec(f"{emb}.ngram_heads_offsets", (heads,), "const", tuple(ngram_hash.head_offsets(sizes))),
-        TensorSpec(f"{emb}.ngram_embedding.weight", (rows, dim // heads), "embedding"),
-        _linear(f"{prefix}.key_proj", wide, dim),
-        _linear(f"{prefix}.value_proj", t["hidden_size"], dim),
-        TensorSpec(f"{prefix}.norm_key.weight", (wide,), "norm"),
-        TensorSpec(f"{prefix}.norm_query.weight", (wide,), "norm"),
-        TensorSpec(f"{prefix}.norm_conv.weight", (wide,), "norm"),
-        TensorSpec(f"{prefix}.conv1d.weight", (wide, 1, t["ple_conv_kernel_size"]), "conv"),
-    ]
-
-
-def _decoder_layer(prefix: str, t: dict[str, Any], layer: int, ple_index: int | None) -> list[TensorSpec]:
-    linear = t["layer_types"][layer] == "linear_attention"
-    specs = _gated_deltanet(f"{prefix}.linear_attn", t) if linear else _qsa(f"{prefix}.self_attn", t)
-    specs += _moe(f"{prefix}.mlp", t)
-    if ple_index is not None:
-        specs += _ple(f"{prefix}.ple", t, ple_index)
-    specs += _hyper(f"{prefix}.attn_hyper_connection", t) + _hyper(f"{prefix}.mlp_hyper_connection", t)
-    return specs
+def module_specs(model: Qwen4ExpForCausalLM) -> list[TensorSpec]:
+    """Every tensor of `model`'s state_dict (what the loader fills: parameters and persistent buffers)."""
+    return [_spec(model, name, tensor) for name, tensor in model.state_dict(keep_vars=True).items()]
 
 
 def runtime_specs(t: dict[str, Any], with_mtp: bool = True) -> list[TensorSpec]:
-    """Every runtime tensor of text config `t` (the `text_config` dict), in a stable order."""
-    hidden, vocab = t["hidden_size"], t["vocab_size"]
-    ple_ids = sorted(set(t.get("ple_layer_ids") or []))
-    specs = [TensorSpec("model.embed_tokens.weight", (vocab, hidden), "embedding")]
-    for layer in range(t["num_hidden_layers"]):
-        ple_index = ple_ids.index(layer + 1) if layer + 1 in ple_ids else None
-        specs += _decoder_layer(f"model.layers.{layer}", t, layer, ple_index)
-    specs += _hyper("model.hyper_connection_mixer", t, with_inject=False)
-    specs.append(_linear("lm_head", vocab, hidden, "lm_head"))
-    if with_mtp:
-        for layer in range(t.get("mtp_num_hidden_layers", 0) or 0):
-            specs += _mtp(t, layer)
-    return specs
-
-
-def _mtp(t: dict[str, Any], layer: int) -> list[TensorSpec]:
-    """The MTP head: embedding/hidden fusion, one QSA decoder layer without PLE, its own stream mixer."""
-    hidden, wide = t["hidden_size"], t["hc_count"] * t["hidden_size"]
-    specs = []
-    if layer == 0:
-        specs += [
-            _linear("mtp.fc_embedding", hidden, hidden),
-            _linear("mtp.fc_hidden", hidden, hidden),
-            TensorSpec("mtp.pre_fc_norm_embedding.weight", (hidden,), "norm"),
-            TensorSpec("mtp.pre_fc_norm_hidden.weight", (wide,), "norm"),
-        ]
-    qsa_layer = dict(t, layer_types=["full_attention"])
-    specs += _decoder_layer(f"mtp.layers.{layer}", qsa_layer, 0, None)
-    if layer == 0:
-        specs += _hyper("mtp.hyper_connection_mixer", t, with_inject=False)
-    return specs
+    """Every runtime tensor of text config `t` (the `text_config` dict), read from the model built on meta."""
+    cfg = ModelConfig.from_dict(t)
+    if not with_mtp:
+        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=0)
+    with torch.device("meta"):
+        return module_specs(Qwen4ExpForCausalLM(cfg))
 
 
 def to_disk_name(runtime_name: str) -> str:

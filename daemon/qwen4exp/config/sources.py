@@ -1,9 +1,10 @@
 """Where settings come from: profile files (found by name or by path) and command-line assignments.
 
-A name is looked up in /etc/qwen4exp/ first, then in the profiles shipped inside the package, so an operator
-overrides a shipped profile by writing one of the same name under /etc/qwen4exp/. QWEN4EXP_PROFILE_PATH
-(directories separated by ':') replaces /etc/qwen4exp (a user install, a test); the shipped ones always come
-last. With no profile given, QWEN4EXP_PROFILE names one, else `tiny`, the embedded default.
+A name is looked up in /etc/qwen4exp/ first, then in the profiles shipped with the daemon (profiles/ at the top
+of the repository, inside the package once installed), so an operator overrides a shipped profile by writing one
+of the same name under /etc/qwen4exp/. QWEN4EXP_PROFILE_PATH (directories separated by ':') replaces
+/etc/qwen4exp (a user install, a test); the shipped ones always come last. With no profile given,
+QWEN4EXP_PROFILE names one, else `tiny`, the embedded default.
 """
 
 from __future__ import annotations
@@ -18,7 +19,18 @@ from typing import Any
 from .errors import ConfigError, suggest
 
 ETC_DIR = Path("/etc/qwen4exp")
-SHIPPED_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+def shipped_dir(name: str) -> Path:
+    """A folder shipped with the daemon (`profiles`, `systemd`): inside the installed package, where the wheel puts
+    it (scripts/build_backend.py), else at the top of the checkout that an editable install imports from. With
+    neither, the package's: a message about a missing file then names where it belongs."""
+    package = Path(__file__).resolve().parent.parent
+    installed, checkout = package / name, package.parent.parent / name
+    return checkout if checkout.is_dir() and not installed.is_dir() else installed
+
+
+SHIPPED_DIR = shipped_dir("profiles")
 DEFAULT_PROFILE = "tiny"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _POSITION = re.compile(r"\s*\(at line (\d+), column (\d+)\)")

@@ -19,8 +19,9 @@ import numpy
 import torch
 
 from .decode_runner import DecodeRunner
+from .engine_config import EngineConfig
 from .memory import release_cached_blocks, run_with_oom_retry
-from .model.causal_lm import Qwen4ExpForCausalLM, Segment
+from .model.causal_lm import Qwen4ExpForCausalLM
 from .prefix_cache import PrefixCache
 from .request import FinishReason, QueueFull, Request, RequestRejected
 from .sampling import Sampler
@@ -75,6 +76,21 @@ class Engine:
         self._prefill_turn = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
+
+    @classmethod
+    def from_config(cls, model: Qwen4ExpForCausalLM, config: EngineConfig, *, context: int | None = None,
+                    tokenizer=None, prefix_cache: PrefixCache | None = None) -> "Engine":
+        """The engine `config` describes, over `model` (loaded by the caller, e.g. with `config.load_model`).
+        `context`: the resolved context (`config.resolve_context`), needed when max_ctx is "auto"; a number
+        in the config is taken as it is. `prefix_cache`: the caller's, since it outlives the engine."""
+        if context is None:
+            if config.max_ctx == "auto":
+                raise ValueError("max_ctx is 'auto': resolve the context first (EngineConfig.resolve_context) and "
+                                 "pass it as context=")
+            context = config.max_ctx
+        return cls(model, slots=config.slots, context=context, chunk=config.chunk,
+                   restore_spacing=config.restore_spacing, queue_limit=config.queue_limit, tokenizer=tokenizer,
+                   prefix_cache=prefix_cache, cuda_graphs=config.cuda_graphs, compile_decode=config.compile_decode)
 
     # ---- submission (any thread) -------------------------------------------------------------------
     def submit(self, request: Request) -> Request:
@@ -225,7 +241,7 @@ class Engine:
                 for target, copy in zip(slot.state.carried(), saved):
                     target.copy_(copy)          # a retry starts from the state before the failed try
                 slot.state.length = begin
-                return self.model([Segment(ids, slot.state)])[0]
+                return self.model(ids, slot.state)
 
             logits = run_with_oom_retry(run_chunk, self.device, f"the prompt chunk {begin}..{end} of {request.id}")
             del saved, run_chunk

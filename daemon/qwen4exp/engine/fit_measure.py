@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .memory import PeakMeter, is_out_of_memory, release_cached_blocks, run_with_oom_retry
-from .model.causal_lm import Qwen4ExpForCausalLM, Segment
+from .model.causal_lm import Qwen4ExpForCausalLM
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,9 @@ def run_chunk(model: Qwen4ExpForCausalLM, state, rows: int, device: torch.device
     ids = torch.full((rows,), 1, dtype=torch.long, device=device)
     state.length = state.capacity - rows
     # The RoPE table grows with the position and stays; drop it so this peak pays for the one it needs.
-    if hasattr(model, "_rope_table"):
-        model._rope_table = None
+    model.release_rope_table()
     with PeakMeter(device) as meter:
-        model([Segment(ids, state)])
+        model(ids, state)
     return meter
 
 

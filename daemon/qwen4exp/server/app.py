@@ -9,15 +9,15 @@ import time
 
 from aiohttp import web
 
+from ..engine.engine_config import EngineConfig
 from . import generate_api, openai_api
 from .connections import ConnectionGuard
 from .errors import ApiError, EngineUnavailable, error_middleware, parse_json, read_body
 from .messages import EngineState
 from .metrics import render_metrics
 from .openapi import openapi
-from .options import EngineOptions
 from .prepare import Preparer
-from .shared import ENGINE_OPTIONS, GUARD, OPTIONS, PREPARER, STARTED, SUPERVISOR, ServerOptions
+from .shared import ENGINE_CONFIG, GUARD, OPTIONS, PREPARER, STARTED, SUPERVISOR, ServerOptions
 from .supervisor import Supervisor
 
 __all__ = ["GUARD", "SUPERVISOR", "ServerOptions", "create_app"]
@@ -63,31 +63,31 @@ async def health(request: web.Request) -> web.Response:
 
 async def props(request: web.Request) -> web.Response:
     app = request.app
-    supervisor, engine_options = app[SUPERVISOR], app[ENGINE_OPTIONS]
+    supervisor, engine = app[SUPERVISOR], app[ENGINE_CONFIG]
     stats = await supervisor.stats()
     context = supervisor.fitted_context
     options = app[OPTIONS]
     # Where the model lives on disk is the operator's business: shown only to the admin key when keys are set.
-    shown = {"model_path": engine_options.model} if not (options.api_key or options.admin_key) or _admin(request) \
+    shown = {"model_path": engine.model} if not (options.api_key or options.admin_key) or _admin(request) \
         else {}
     return web.json_response({
         "model": app[OPTIONS].model_name,
         **shown,
         "state": supervisor.state,
         "context": context,
-        "context_source": "profile" if engine_options.max_ctx != "auto" else "fitted (max_ctx = \"auto\")",
+        "context_source": "profile" if engine.max_ctx != "auto" else "fitted (max_ctx = \"auto\")",
         "context_fitted_now": supervisor.info.get("context_fitted_now"),
         "plan": supervisor.info.get("plan"),
-        "slots": engine_options.slots,
-        "chunk": engine_options.chunk,
+        "slots": engine.slots,
+        "chunk": engine.chunk,
         "device": supervisor.info.get("device"),
-        "dtype": engine_options.dtype,
+        "dtype": engine.dtype,
         "prefix_cache": stats.get("prefix_cache"),
         "busy_slots": stats.get("busy_slots"),
         "queued": stats.get("queued"),
         "uptime_s": round(time.time() - app[STARTED], 1),
         # llama-server compatible fields, for tools written against it and the seed's engine.
-        "total_slots": engine_options.slots,
+        "total_slots": engine.slots,
         "default_generation_settings": {"n_ctx": context, "model": app[OPTIONS].model_name},
     })
 
@@ -121,13 +121,15 @@ async def unpark(request: web.Request) -> web.Response:
                               "context": info["context"]})
 
 
-def create_app(engine_options: EngineOptions, options: ServerOptions) -> web.Application:
+def create_app(engine: EngineConfig, options: ServerOptions) -> web.Application:
+    if engine.model is None:
+        raise ValueError("engine setting model is not set: the daemon serves a checkpoint directory")
     guard = ConnectionGuard(options.header_timeout, options.max_connections)
     app = web.Application(middlewares=[guard.middleware, error_middleware, auth_middleware],
                           client_max_size=options.max_body_bytes)
-    app[OPTIONS], app[ENGINE_OPTIONS], app[STARTED], app[GUARD] = options, engine_options, time.time(), guard
-    app[PREPARER] = Preparer(engine_options.model, options.default_max_tokens)
-    app[SUPERVISOR] = Supervisor(engine_options)
+    app[OPTIONS], app[ENGINE_CONFIG], app[STARTED], app[GUARD] = options, engine, time.time(), guard
+    app[PREPARER] = Preparer(engine.model, options.default_max_tokens)
+    app[SUPERVISOR] = Supervisor(engine)
     app.router.add_get("/health", health)
     app.router.add_get("/props", props)
     app.router.add_get("/metrics", metrics)

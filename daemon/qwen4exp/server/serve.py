@@ -8,9 +8,9 @@ import signal
 
 from aiohttp import web
 
+from ..engine.engine_config import EngineConfig
 from .app import GUARD, SUPERVISOR, ServerOptions, create_app
 from .connections import GuardedSite
-from .options import EngineOptions
 from .sd_notify import Notifier
 
 log = logging.getLogger("qwen4exp.server")
@@ -26,14 +26,13 @@ async def start_app(app: web.Application, host: str, port: int) -> web.AppRunner
     return runner
 
 
-async def serve(engine_options: EngineOptions, options: ServerOptions, host: str, port: int,
-                on_ready=None) -> None:
+async def serve(engine: EngineConfig, options: ServerOptions, host: str, port: int, on_ready=None) -> None:
     notifier = Notifier()
-    notifier.notify(STATUS=f"loading {engine_options.model}")
-    app = create_app(engine_options, options)
+    notifier.notify(STATUS=f"loading {engine.model}")
+    app = create_app(engine, options)
     runner = await start_app(app, host, port)
     supervisor = app[SUPERVISOR]
-    log.info("serving %s on http://%s:%d (engine %s, context %s)", engine_options.model, host, port,
+    log.info("serving %s on http://%s:%d (engine %s, context %s)", engine.model, host, port,
              supervisor.state, supervisor.fitted_context)
     notifier.notify(READY=1, STATUS=f"serving on {host}:{port}, context {supervisor.fitted_context}")
     if on_ready is not None:

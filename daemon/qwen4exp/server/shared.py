@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from ..engine.engine_config import EngineConfig
 from .connections import ConnectionGuard
 from .errors import EngineUnavailable, read_body
 from .messages import EngineState
-from .options import EngineOptions
 from .prepare import Prepared, Preparer
 from .supervisor import Supervisor
 
@@ -29,12 +29,26 @@ class ServerOptions:
     body_timeout: float = 60.0                # a request's body, once its headers arrived
     max_connections: int = 1024               # open at once; past it, new connections get 503 and are closed
 
+    @classmethod
+    def from_settings(cls, settings) -> "ServerOptions":
+        """The HTTP side of a profile (config.Settings): the name clients see, keys, limits and timeouts."""
+        server = settings.server
+
+        def secret(value):
+            return value.get_secret_value() if value is not None else None
+        name = settings.model if settings.model == "tiny" else settings.model.rstrip("/").rsplit("/", 1)[-1]
+        return cls(model_name=name, api_key=secret(server.api_key), admin_key=secret(server.admin_key),
+                   max_body_bytes=server.max_body_bytes, wake_on_request=settings.wake_on_request,
+                   park_after_idle=settings.park_after_idle, request_timeout=server.request_timeout,
+                   header_timeout=server.header_timeout, body_timeout=server.body_timeout,
+                   max_connections=server.max_connections)
+
 
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 PREPARER = web.AppKey("preparer", Preparer)
 GUARD = web.AppKey("guard", ConnectionGuard)
 OPTIONS = web.AppKey("options", ServerOptions)
-ENGINE_OPTIONS = web.AppKey("engine_options", EngineOptions)
+ENGINE_CONFIG = web.AppKey("engine_config", EngineConfig)
 STARTED = web.AppKey("started", float)
 
 

@@ -20,10 +20,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..engine.engine_config import EngineConfig
 from .errors import EngineUnavailable
 from .messages import (Cancel, EngineState, Failed, Finished, Park, Parked, Ready, Rejected, Stats, StatsQuery,
                        Stop, Submit, Token, Unpark, Unparked)
-from .options import EngineOptions
 from .worker import worker_main
 
 log = logging.getLogger("qwen4exp.supervisor")
@@ -43,8 +43,8 @@ class Stream:
 
 
 class Supervisor:
-    def __init__(self, options: EngineOptions, restart_delay: float = 1.0):
-        self.options = options
+    def __init__(self, config: EngineConfig, restart_delay: float = 1.0):
+        self.config = config
         self.state = EngineState.LOADING
         self.error: str | None = None
         self.info: dict = {}
@@ -74,9 +74,8 @@ class Supervisor:
         self.state = EngineState.LOADING
         self._ready = self._loop.create_future()
         parent, child = self._ctx.Pipe()
-        payload = self.options.to_dict() | {"fitted_context": self.fitted_context, "plan": self.info.get("plan")}
-        self._process = self._ctx.Process(target=worker_main, args=(payload, child), name="qwen4exp-engine",
-                                          daemon=True)
+        self._process = self._ctx.Process(target=worker_main, name="qwen4exp-engine", daemon=True,
+                                          args=(self.config, child, self.fitted_context, self.info.get("plan")))
         self._process.start()
         child.close()
         self._conn = parent

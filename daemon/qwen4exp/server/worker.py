@@ -11,6 +11,7 @@ import threading
 import time
 import traceback
 
+from ..engine.engine_config import EngineConfig
 from .messages import (Cancel, Failed, Finished, Park, Parked, Ready, RejectReason, Rejected, Result, Stats,
                        StatsQuery, Stop, Submit, Token, Unpark, Unparked)
 
@@ -18,14 +19,14 @@ log = logging.getLogger("qwen4exp.worker")
 
 
 class Worker:
-    def __init__(self, options: dict, conn):
-        self.options, self.conn = options, conn
+    def __init__(self, config: EngineConfig, conn, fitted_context: int | None = None, plan: dict | None = None):
+        self.config, self.conn = config, conn
         self.send_lock = threading.Lock()
         self.engine = None
         self.cache = None
-        self.fitted_context: int | None = options.get("fitted_context")
+        self.fitted_context = fitted_context
         self.requests: dict[str, object] = {}
-        self.plan: dict | None = options.get("plan")    # the context fit's plan, when max_ctx is "auto"
+        self.plan = plan                 # the context fit's plan, when max_ctx is "auto"
 
     def send(self, message) -> None:
         with self.send_lock:
@@ -36,32 +37,20 @@ class Worker:
         import torch
 
         from ..engine.engine import Engine
-        from ..engine.loading import load_model, resolve_device
-        from ..engine.memory import set_device_memory_limit
-        from ..engine.prefix_cache import PrefixCache, auto_resident_limit
-        from ..engine.snapshot import SnapshotBackend
         from ..tokenizer import Tokenizer
 
         started = time.perf_counter()
-        o = self.options
-        device = resolve_device(o["device"])
-        set_device_memory_limit(device, o["device_memory_limit"])
-        model = load_model(o["model"], dtype=o["dtype"], device=device, progress=False)
-        backend = SnapshotBackend.for_device(device)
+        config = self.config
+        device, model = config.load_model()
         # A context fitted before (by this worker before a park, or by the one before a restart) is kept: a new
         # fit could land elsewhere, and the snapshots and the clients count on the context.
-        fitted_now = self.fitted_context is None and o["max_ctx"] == "auto"
+        fitted_now = self.fitted_context is None and config.max_ctx == "auto"
         context = self.fitted_context or self._context(model, device)
         self.fitted_context = context
-        spacing = o["restore_spacing"] or o["chunk"]
-        if o["prefix_cache"] and self.cache is None:
-            limit = o["prefix_cache_limit"]
-            limit = auto_resident_limit(backend) if limit == "auto" else int(limit)
-            self.cache = PrefixCache(spacing, limit, backend, model.config.indexer_compress_ratio)
-        self.engine = Engine(model, slots=o["slots"], context=context, chunk=o["chunk"], restore_spacing=spacing,
-                             tokenizer=Tokenizer.from_dir(o["model"]), prefix_cache=self.cache,
-                             queue_limit=o["queue_limit"], cuda_graphs=o["cuda_graphs"],
-                             compile_decode=o["compile_decode"])
+        if self.cache is None:
+            self.cache = config.new_prefix_cache(model, device)
+        self.engine = Engine.from_config(model, config, context=context, tokenizer=Tokenizer.from_dir(config.model),
+                                         prefix_cache=self.cache)
         self.engine.start()
         return {"context": context, "plan": self.plan, "context_fitted_now": fitted_now,
                 "load_seconds": round(time.perf_counter() - started, 3),
@@ -70,12 +59,7 @@ class Worker:
 
     def _context(self, model, device) -> int:
         """The profile's number (checked), or the fit measured on this device for "auto"."""
-        from ..engine.fit import floor_chunk, resolve_max_ctx
-        from ..engine.snapshot import snapshots_share_device_memory
-        o = self.options
-        choice = resolve_max_ctx(o["max_ctx"], model, slots=o["slots"], device=device,
-                                 chunk_floor=floor_chunk(o["chunk"]), memory_limit=o["device_memory_limit"],
-                                 snapshots_on_device=snapshots_share_device_memory(device))
+        choice = self.config.resolve_context(model, device)
         if choice.fit is not None:
             log.info("fitted context %d tokens:\n%s", choice.context, choice.fit.plan.table())
             self.plan = choice.fit.plan.to_dict()
@@ -182,7 +166,8 @@ def _memory_in_use() -> dict:
     return out
 
 
-def worker_main(options: dict, conn) -> None:
-    """Entry point of the child process."""
+def worker_main(config: EngineConfig, conn, fitted_context: int | None, plan: dict | None) -> None:
+    """Entry point of the child process: the engine `config` describes, at `fitted_context` when an earlier worker
+    fitted one (with its `plan`)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s[worker]: %(message)s")
-    Worker(options, conn).serve()
+    Worker(config, conn, fitted_context, plan).serve()

@@ -1,45 +1,19 @@
 """One decoder layer: optional PLE, then a token mixer (Gated DeltaNet or QSA) and the MoE, each behind
-its own hyper-connection."""
+its own hyper-connection. One forward for every phase: the step says what runs (ops.py, step.py)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..state import SequenceState, StateBatch
 from .config import ModelConfig
 from .gated_deltanet import GatedDeltaNet
-from .hyper import GatedResidual
+from .hyper import GatedResidual, inject
 from .moe import SparseMoeBlock
 from .ple import PLELayer
 from .qsa import QSAAttention
 
 Injection = tuple[torch.Tensor, torch.Tensor]   # a sublayer's output [T, H] and its per-stream gates [T, hc]
-
-
-@dataclass
-class SegmentView:
-    """One sequence's rows inside a packed forward."""
-    rows: slice
-    token_ids: torch.Tensor
-    start: int
-    state: SequenceState
-    cos: torch.Tensor   # positions 0..start+n-1
-    sin: torch.Tensor
-
-
-@dataclass
-class DecodeRows:
-    """One decode step over all N rows of a StateBatch at fixed shapes (a CUDA graph replays it)."""
-    token_ids: torch.Tensor   # [N]
-    positions: torch.Tensor   # [N], where each row's token goes (its length)
-    active: torch.Tensor      # [N] bool; inactive rows compute but keep their state
-    flags: torch.Tensor       # active as uint8, converted once per step for the kernels that read it
-    cos: torch.Tensor         # rope tables over the whole capacity
-    sin: torch.Tensor
-    states: StateBatch
 
 
 def moe_block(cfg: ModelConfig) -> SparseMoeBlock:
@@ -64,40 +38,21 @@ class DecoderLayer(nn.Module):
         self.attn_hyper_connection = hyper_connection(cfg)
         self.mlp_hyper_connection = hyper_connection(cfg)
 
-    def forward(self, streams: torch.Tensor, segments: list[SegmentView]) -> torch.Tensor:
-        """Packed rows of several sequences; token mixing and PLE run per sequence over its own state."""
-        term = None
-        if self.ple is not None:
-            term = torch.zeros_like(streams)
-            for s in segments:
-                term[s.rows] = self.ple(streams[s.rows], s.token_ids, s.state.ple[self.index])
-        streams, mixed, gates = self.attn_hyper_connection.update_and_mix(streams, add=term)
-        mixer_out = torch.zeros_like(mixed)
-        for s in segments:
-            state = s.state.layers[self.index]
-            if hasattr(self, "self_attn"):
-                mixer_out[s.rows] = self.self_attn(mixed[s.rows], s.start, s.cos, s.sin, state)
-            else:
-                mixer_out[s.rows] = self.linear_attn(mixed[s.rows], state)
-        streams, mixed, gates = self.mlp_hyper_connection.update_and_mix(streams, inject=(mixer_out, gates))
-        return GatedResidual.inject(streams, self.mlp(mixed), gates)
+    @property
+    def mixer(self) -> QSAAttention | GatedDeltaNet:
+        return self.self_attn if hasattr(self, "self_attn") else self.linear_attn
 
-    def decode_rows(self, streams: torch.Tensor, step: DecodeRows, pending: Injection | None = None
-                    ) -> tuple[torch.Tensor, Injection]:
-        """The same layer for one token per row; every row's numbers depend on that row alone. `pending` is the
-        layer before's MoE output and gates, not yet injected into the streams: this layer's first norm kernel
-        does it (one kernel, not two). Returns (streams, this layer's own pending injection)."""
+    def forward(self, streams: torch.Tensor, step, pending: Injection | None = None
+                ) -> tuple[torch.Tensor, Injection]:
+        """streams [T, hc*H] -> (streams, this layer's MoE output and gates, not yet injected). `pending` is the
+        layer before's: this layer's first norm injects it (one kernel, not two). Every row's numbers depend on
+        that row (and, in a chunk, its sequence's earlier tokens) alone."""
         term = None
         if self.ple is not None:
             if pending is not None:   # PLE reads the streams: inject first
-                streams, pending = GatedResidual.inject(streams, *pending), None
-            term = self.ple.decode_rows(streams, step.token_ids, step.states.ple[self.index], step.active)
-        streams, mixed, gates = self.attn_hyper_connection.update_and_mix(streams, add=term, inject=pending,
-                                                                          decode=True)
-        state = step.states.layers[self.index]
-        if hasattr(self, "self_attn"):
-            out = self.self_attn.decode_rows(mixed, step.positions, step.cos, step.sin, state, step.active)
-        else:
-            out = self.linear_attn.decode_rows(mixed, state, step.flags)
-        streams, mixed, gates = self.mlp_hyper_connection.update_and_mix(streams, inject=(out, gates), decode=True)
-        return streams, (self.mlp(mixed, fixed_rows=True, active=step.flags), gates)
+                streams, pending = inject(streams, *pending), None
+            term = self.ple(streams, step, step.state.ple[self.index])
+        streams, mixed, gates = self.attn_hyper_connection(streams, step, add=term, inject=pending)
+        out = self.mixer(mixed, step, step.state.layers[self.index])
+        streams, mixed, gates = self.mlp_hyper_connection(streams, step, inject=(out, gates))
+        return streams, (self.mlp(mixed, step), gates)

@@ -8,8 +8,6 @@ from torch import nn
 
 from ..state import DeltaNetState
 from .config import ModelConfig
-from .conv_step import causal_conv_chunk, causal_conv_step
-from .gdn_ops import gated_delta_rule, gated_delta_rule_rows, gates
 from .norms import GatedRMSNorm
 from .shared_input import SharedInputProjections
 
@@ -37,30 +35,15 @@ class GatedDeltaNet(SharedInputProjections):
     def input_weights(self) -> list[nn.Parameter]:
         return [self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight]
 
-    def forward(self, x: torch.Tensor, state: DeltaNetState) -> torch.Tensor:
-        """x [n, H] of one sequence -> [n, H]; advances the conv and recurrent state."""
-        n = x.shape[0]
-        qkv, z, b, a = self.project_input(x)
-        mixed = causal_conv_chunk(state.conv, qkv, self.conv1d.weight, 1)
+    def forward(self, x: torch.Tensor, step, state: DeltaNetState) -> torch.Tensor:
+        """x [T, H] -> [T, H]; advances the conv and recurrent state (a chunk's sequence, or each active row)."""
+        ops, n = step.ops, x.shape[0]
+        qkv, z, b, a = self.project_input(x, step)
+        mixed = ops.causal_conv(qkv, self.conv1d.weight, 1, state.conv, step)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = q.reshape(n, self.k_heads, self.dk), k.reshape(n, self.k_heads, self.dk)
         v = v.reshape(n, self.v_heads, self.dv)
-        g, beta = gates(a, b, self.A_log, self.dt_bias)
-        core = gated_delta_rule(q, k, v, g, beta, state.recurrent)
-        z = z.reshape(n * self.v_heads, self.dv)
-        core = self.norm(core.reshape(n * self.v_heads, self.dv), z)
-        return self.out_proj(core.reshape(n, self.value_dim))
-
-    def decode_rows(self, x: torch.Tensor, state: DeltaNetState, active: torch.Tensor) -> torch.Tensor:
-        """One token for each of N sequences: x [N, H], state batched (conv [N, C, K-1], recurrent
-        [N, Hv, dk, dv]); only rows with `active` (bool or uint8) advance their state."""
-        n = x.shape[0]
-        qkv, z, b, a = self.project_input(x)
-        mixed = causal_conv_step(state.conv, qkv, self.conv1d.weight, 1, active)
-        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q, k = q.reshape(n, self.k_heads, self.dk), k.reshape(n, self.k_heads, self.dk)
-        v = v.reshape(n, self.v_heads, self.dv)
-        core = gated_delta_rule_rows(q, k, v, a, b, self.A_log, self.dt_bias, active, state.recurrent)
-        z = z.reshape(n * self.v_heads, self.dv)
-        core = self.norm(core.reshape(n * self.v_heads, self.dv), z)
-        return self.out_proj(core.reshape(n, self.value_dim))
+        core = ops.delta_rule(q, k, v, a, b, self.A_log, self.dt_bias, state.recurrent, step)
+        core = ops.gated_rms_norm(core.reshape(n * self.v_heads, self.dv), z.reshape(n * self.v_heads, self.dv),
+                                  self.norm)
+        return ops.linear(core.reshape(n, self.value_dim), self.out_proj.weight, step)

@@ -19,10 +19,11 @@ class MTPHead(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         hidden = cfg.hidden_size
-        self.pre_fc_norm_embedding = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.pre_fc_norm_hidden = RMSNorm(hidden * cfg.hc_count, cfg.rms_norm_eps)
+        # Registered in the order checkpoints list them (checkpoint/layout.py reads the order from here).
         self.fc_embedding = nn.Linear(hidden, hidden, bias=False)
         self.fc_hidden = nn.Linear(hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(hidden * cfg.hc_count, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(
             [DecoderLayer(cfg, 0, qsa=True, ple_index=None) for _ in range(cfg.mtp_num_hidden_layers)])
         self.hyper_connection_mixer = hyper_connection(cfg, inject=False)

@@ -1,12 +1,12 @@
-"""RMSNorm variants of qwen4_exp. Both normalise in float32 and round once at the end, like the reference."""
+"""RMSNorm variants of qwen4_exp. Both normalise in float32 and round once at the end, like the reference. A module's
+own forward is the torch form; layers call them through their ops backend (kernels/hyper.py's norm_rows and
+kernels/gated_norm.py on GPUs)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from . import gated_norm_kernel, hyper_kernels
 
 
 class RMSNorm(nn.Module):
@@ -20,8 +20,6 @@ class RMSNorm(nn.Module):
         self.group_size = group_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hyper_kernels.usable(x):   # one fused kernel on GPUs instead of seven
-            return hyper_kernels.norm_rows(x, self.weight, self.eps, self.group_size or x.shape[-1])[1]
         xf = x.float()
         if self.group_size is not None:
             xf = xf.unflatten(-1, (-1, self.group_size))
@@ -42,8 +40,6 @@ class GatedRMSNorm(nn.Module):
         self.activation = F.silu if self.silu else torch.sigmoid
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if gated_norm_kernel.usable(x):
-            return gated_norm_kernel.gated_norm(x, gate, self.weight, self.eps, self.silu)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

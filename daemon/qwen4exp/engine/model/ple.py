@@ -16,7 +16,6 @@ from torch import nn
 from ..state import PLEState
 from . import ngram_hash
 from .config import ModelConfig
-from .conv_step import causal_conv_chunk, causal_conv_step
 from .norms import RMSNorm
 
 
@@ -71,27 +70,27 @@ class NGramEmbedding(nn.Module):
             groups.append(rows + self.ngram_heads_offsets[heads])
         return torch.cat(groups, dim=-1)
 
-    def forward(self, token_ids: torch.Tensor, state: PLEState) -> torch.Tensor:
-        """token_ids [n] -> concatenated head embeddings [n, ple_embed_dim]; advances the id context."""
+    def chunk_rows(self, token_ids: torch.Tensor, context_ids: torch.Tensor) -> torch.Tensor:
+        """A chunk of one sequence (token_ids [n] after its context ids) -> concatenated head embeddings
+        [n, ple_embed_dim]; advances the id context."""
         n = token_ids.numel()
-        history = torch.cat((state.context_ids, token_ids.long()))
+        history = torch.cat((context_ids, token_ids.long()))
         rows = self.hash_ids(history, n)
-        state.context_ids.copy_(history[-state.context_ids.numel():])
+        context_ids.copy_(history[-context_ids.numel():])
         table = self.ngram_embedding.weight
         return F.embedding(rows.to(table.device), table).to(token_ids.device).flatten(-2)
 
-
-    def decode_rows(self, token_ids: torch.Tensor, state: PLEState, active: torch.Tensor) -> torch.Tensor:
-        """One token per row (token_ids [N], batched state): embeddings [N, ple_embed_dim]; the id context of
-        active rows advances. A predecessor counts only if no EOS lies between it and the token (the same
-        rule as `_shifted`)."""
-        history = torch.cat((state.context_ids, token_ids.long()[:, None]), dim=1)   # [N, ngram_size]
+    def step_rows(self, token_ids: torch.Tensor, context_ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """One token per row (token_ids [N], context ids [N, ngram_size - 1]): embeddings [N, ple_embed_dim]; the
+        id context of active rows advances. A predecessor counts only if no EOS lies between it and the token
+        (the same rule as `_shifted`)."""
+        history = torch.cat((context_ids, token_ids.long()[:, None]), dim=1)   # [N, ngram_size]
         eos = torch.full_like(token_ids, self.eos)
         shifted = [history[:, -1]]
         for s in range(1, self.ngram_size):
             crossed = (history[:, -1 - s:-1] == self.eos).any(dim=1)
             shifted.append(torch.where(crossed, eos, history[:, -1 - s]))
-        state.context_ids.copy_(torch.where(active[:, None], history[:, 1:], state.context_ids))
+        context_ids.copy_(torch.where(active[:, None], history[:, 1:], context_ids))
         table = self.ngram_embedding.weight
         return F.embedding(self._hash(shifted), table).flatten(-2)
 
@@ -111,23 +110,16 @@ class PLELayer(nn.Module):
                                 groups=hc * hidden, dilation=cfg.ngram_size, bias=False)
         self.ple_dilation = cfg.ngram_size
 
-    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, state: PLEState) -> torch.Tensor:
-        """streams [n, hc*H] of one sequence -> the PLE term [n, hc*H] to add to them."""
-        gated = self._gated(streams, self.ple_embedding(token_ids, state))
-        return gated + causal_conv_chunk(state.conv, self.norm_conv(gated), self.conv1d.weight, self.ple_dilation)
-
-    def _gated(self, streams: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-        keys = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden))
-        value = self.value_proj(embeddings)
-        queries = self.norm_query(streams).unflatten(-1, (self.hc_count, self.hidden))
-        gate = (keys * queries).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden)
+    def forward(self, streams: torch.Tensor, step, state: PLEState) -> torch.Tensor:
+        """streams [T, hc*H] -> the PLE term [T, hc*H] to add to them; advances the id context and the conv."""
+        ops = step.ops
+        embeddings = ops.ngram_embedding(self.ple_embedding, step, state.context_ids)
+        keys = ops.rms_norm(ops.linear(embeddings, self.key_proj.weight, step), self.norm_key)
+        value = ops.linear(embeddings, self.value_proj.weight, step)
+        queries = ops.rms_norm(streams, self.norm_query).unflatten(-1, (self.hc_count, self.hidden))
+        gate = (keys.unflatten(-1, (self.hc_count, self.hidden)) * queries).sum(dim=-1, keepdim=True) \
+            / math.sqrt(self.hidden)
         gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-        return (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
-
-    def decode_rows(self, streams: torch.Tensor, token_ids: torch.Tensor, state: PLEState,
-                    active: torch.Tensor) -> torch.Tensor:
-        """One token per row (streams [N, hc*H], batched state) -> the PLE term [N, hc*H]."""
-        embeddings = self.ple_embedding.decode_rows(token_ids, state, active)
-        gated = self._gated(streams, embeddings)
-        return gated + causal_conv_step(state.conv, self.norm_conv(gated), self.conv1d.weight, self.ple_dilation,
-                                        active)
+        gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
+        return gated + ops.causal_conv(ops.rms_norm(gated, self.norm_conv), self.conv1d.weight, self.ple_dilation,
+                                       state.conv, step)

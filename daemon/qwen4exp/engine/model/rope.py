@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from . import rope_kernel
-
 
 class Rotary:
     def __init__(self, rotary_dim: int, theta: float):
@@ -25,10 +23,8 @@ class Rotary:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first rotary_dim channels of x [n, heads, d] (or [n, d]) by cos/sin [n, rotary_dim]. On GPUs
-    in bf16/fp16, one kernel with the same result (rope_kernel.py)."""
-    if rope_kernel.usable(x, cos):
-        return rope_kernel.rotate(x, cos, sin)
+    """Rotate the first rotary_dim channels of x [n, heads, d] (or [n, d]) by cos/sin [n, rotary_dim] (the
+    torch form of kernels/rope.py)."""
     if x.dim() == 3:
         cos, sin = cos[:, None, :], sin[:, None, :]
     rd = cos.shape[-1]

@@ -10,15 +10,12 @@ and whatever is written into a weight in place (a load's copy_, an optimizer ste
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-
-from . import row_products
 
 
 class SharedInputProjections(nn.Module):
     """Base of a module whose `input_weights()` all multiply the same input. A subclass calls
-    `stack_input_weights()` at the end of __init__ and `project_input(x)` in its forwards; `input_stack` is the
+    `stack_input_weights()` at the end of __init__ and `project_input(x, step)` in its forward; `input_stack` is the
     [sum of outputs, in] tensor whose row blocks the weights are. Weights are to be written in place: a weight
     given a new tensor (rather than new values) would leave the stack behind."""
 
@@ -42,14 +39,13 @@ class SharedInputProjections(nn.Module):
         self.stack_input_weights()
         return self
 
-    def project_input(self, x: torch.Tensor, decode: bool = False) -> tuple[torch.Tensor, ...]:
-        """(x @ w.T for w in input_weights()), from one product; `decode`: x is a decode step's rows, whose
-        product may take row_products.py's kernel."""
+    def project_input(self, x: torch.Tensor, step) -> tuple[torch.Tensor, ...]:
+        """(x @ w.T for w in input_weights()), from one product through the step's ops."""
         weights = self.input_weights()
         stack = self.input_stack
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             # The stack is outside autograd's graph: multiply a copy of it made from the weights, so gradients
             # reach them (same values, same product).
             stack = torch.cat(weights)
-        product = row_products.linear(x, stack) if decode else F.linear(x, stack)
+        product = step.ops.linear(x, stack, step)
         return product.split([w.shape[0] for w in weights], dim=-1)

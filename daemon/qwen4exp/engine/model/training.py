@@ -1,9 +1,10 @@
 """A differentiable full-sequence forward of qwen4_exp, for training small models on a CPU.
 
 `Qwen4ExpForCausalLM.forward` runs under `torch.inference_mode` and caches its RoPE table there, so neither can
-carry gradients. Here every row of a batch gets a fresh `SequenceState` and fresh cos/sin tables, and the model's
-own `_run` and layer modules run with autograd on: the training forward is the serving forward, nothing is
-re-implemented. What the serving forward does not compute is added beside it, through forward hooks:
+carry gradients. Here every row of a batch gets a fresh `SequenceState`, fresh cos/sin tables and a prompt-chunk
+step on the torch ops (the kernels have no backward), and the model's own `run` and layer modules run with autograd
+on: the training forward is the serving forward, nothing is re-implemented. What the serving forward does not
+compute is added beside it, through forward hooks:
 
 - the MTP head (`mtp_logits`): at position t it fuses the main model's pre-mixer streams at t with the embedding
   of token t+1, runs its QSA + MoE layer and its own stream mixer, and predicts token t+2 with the shared LM head;
@@ -29,10 +30,11 @@ import torch.nn.functional as F
 
 from ..state import AttentionState, SequenceState
 from .causal_lm import Qwen4ExpForCausalLM
-from .decoder import SegmentView
 from .moe import Router
+from .ops import TORCH_OPS
 from .qsa import QSAAttention
 from .rope import apply_rotary
+from .step import Step
 
 
 @dataclass
@@ -49,10 +51,10 @@ def _rope(model: Qwen4ExpForCausalLM, length: int, device: torch.device) -> tupl
     return model.rotary.cos_sin(torch.arange(length, device=device), model.lm_head.weight.dtype)
 
 
-def _views(model: Qwen4ExpForCausalLM, ids: torch.Tensor, states) -> list[SegmentView]:
-    batch, length = ids.shape
-    cos, sin = _rope(model, length, ids.device)
-    return [SegmentView(slice(b * length, (b + 1) * length), ids[b], 0, states[b], cos, sin) for b in range(batch)]
+def _steps(model: Qwen4ExpForCausalLM, ids: torch.Tensor, states) -> list[Step]:
+    """One prompt-chunk step per sequence of ids [B, T], from position 0 of its state, on the torch ops."""
+    rope = _rope(model, ids.shape[1], ids.device)
+    return [Step.chunk(TORCH_OPS, ids[b], states[b], rope) for b in range(ids.shape[0])]
 
 
 def training_logits(model: Qwen4ExpForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
@@ -71,32 +73,30 @@ def training_forward(model: Qwen4ExpForCausalLM, input_ids: torch.Tensor, mtp: b
     device = model.lm_head.weight.device
     ids = input_ids.to(device)
     states = [SequenceState(model.config, length, device, model.lm_head.weight.dtype) for _ in range(batch)]
-    views = _views(model, ids, states)
+    steps = _steps(model, ids, states)
 
-    captured: dict[str, object] = {}
-    qsa_calls: list[tuple[QSAAttention, torch.Tensor, int, AttentionState]] = []
+    qsa_calls: list[tuple[QSAAttention, torch.Tensor, Step, AttentionState]] = []
     router_calls: list[tuple[Router, torch.Tensor, torch.Tensor]] = []
-    hooks = [model.model.layers[-1].register_forward_hook(lambda m, a, out: captured.__setitem__("streams", out))]
+    hooks = []
     if aux:
         for module in model.modules():
             if isinstance(module, QSAAttention):
                 hooks.append(module.register_forward_hook(
-                    lambda m, a, out: qsa_calls.append((m, a[0], a[1], a[4]))))
+                    lambda m, a, out: qsa_calls.append((m, a[0], a[1], a[2]))))
             elif isinstance(module, Router):
                 hooks.append(module.register_forward_hook(
                     lambda m, a, out: router_calls.append((m, a[0], out[0]))))
     try:
-        hidden = model._run(ids.reshape(-1), views)
-        out = TrainingOutput(logits=model.lm_head(hidden).view(batch, length, -1))
+        hidden, streams = zip(*[model.run(step) for step in steps])
+        out = TrainingOutput(logits=model.lm_head(torch.stack(hidden)))
         if mtp and model.mtp is not None and length > 1:
-            out.mtp_logits = mtp_logits(model, captured["streams"], ids)
+            out.mtp_logits = mtp_logits(model, torch.cat(streams), ids)
     finally:
         for hook in hooks:
             hook.remove()
     if aux:
-        cos, sin = views[0].cos, views[0].sin
-        out.indexer_loss = _mean([indexer_loss(m, x, start, cos, sin, state) for m, x, start, state in qsa_calls],
-                                 device)
+        out.indexer_loss = _mean([indexer_loss(m, x, step.start, step.cos_table, step.sin_table, state)
+                                  for m, x, step, state in qsa_calls], device)
         out.balance_loss = _mean([balance_loss(m, x, chosen) for m, x, chosen in router_calls], device)
     return out
 
@@ -116,14 +116,15 @@ def mtp_logits(model: Qwen4ExpForCausalLM, streams: torch.Tensor, ids: torch.Ten
     fused = fused + head.fc_embedding(head.pre_fc_norm_embedding(embedded)).unsqueeze(-2)
     n = length - 1
     # The MTP layer is built as layer 0 of its own stack: give it a state whose layer 0 is an attention cache.
-    shims = [SimpleNamespace(layers=[_attention_state(cfg, n, ids.device, model.lm_head.weight.dtype)], ple={})
-             for _ in range(batch)]
-    views = _views(model, ids[:, 1:], shims)
-    x = fused.flatten(-2).reshape(batch * n, hc * hidden)
-    for layer in head.layers:
-        x = layer(x, views)
-    out, _ = head.hyper_connection_mixer.mix(x)
-    return model.lm_head(out).view(batch, n, -1)
+    shims = [SimpleNamespace(layers=[_attention_state(cfg, n, ids.device, model.lm_head.weight.dtype)], ple={},
+                             length=0) for _ in range(batch)]
+    outs = []
+    for x, step in zip(fused.flatten(-2), _steps(model, ids[:, 1:], shims)):
+        pending = None
+        for layer in head.layers:
+            x, pending = layer(x, step, pending)
+        outs.append(head.hyper_connection_mixer(x, step, inject=pending)[1])
+    return model.lm_head(torch.stack(outs))
 
 
 def _attention_state(cfg, capacity: int, device, dtype) -> AttentionState:

@@ -18,25 +18,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:  # Optional: CPU-only installs use F.linear.
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    triton = tl = None
+from . import guard
+from .guard import interpreted, tl, triton
+from .rounding import add_parts
 
-from . import pipeline_stages
-from .triton_round import add_parts, interpreted
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_ROWS = 16   # the MMA's row tile; more rows than that go to F.linear
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel serves x @ weight.T: GPU tensors of one 16-bit float dtype, at most MAX_ROWS rows,
-    outside autograd (no backward here), and a weight whose rows are contiguous."""
-    return (triton is not None and x.is_cuda and x.dtype in SUPPORTED_DTYPES and weight.dtype == x.dtype
-            and x.dim() == 2 and x.shape[0] <= MAX_ROWS and weight.dim() == 2 and weight.stride(1) == 1
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes x @ weight.T: one dtype, at most MAX_ROWS rows, a weight whose rows are
+    contiguous."""
+    return (weight.dtype == x.dtype and x.dim() == 2 and x.shape[0] <= MAX_ROWS and weight.dim() == 2
+            and weight.stride(1) == 1)
 
 
 def faster_than_cublas(n: int) -> bool:
@@ -50,7 +43,7 @@ def faster_than_cublas(n: int) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T for a decode step: the kernel where it applies and is the faster, else
     F.linear. Which one runs depends on the shapes alone, so every step of an engine sums alike."""
-    if usable(x, weight) and faster_than_cublas(weight.shape[0]):
+    if fits(x, weight) and faster_than_cublas(weight.shape[0]):
         return row_products(x, weight)
     return F.linear(x, weight)
 
@@ -71,11 +64,11 @@ def fitted(config: dict, device: torch.device, itemsize: int) -> dict:
     """`config` with as many of its pipeline stages as fit on `device`: a stage holds a [MAX_ROWS, BLOCK_K] tile
     of x and a [BLOCK_K, BLOCK_N] tile of the weight."""
     stage = (MAX_ROWS + config["BLOCK_N"]) * config["BLOCK_K"] * itemsize
-    return config | {"num_stages": pipeline_stages.stages_for(device, stage, config["num_stages"])}
+    return config | {"num_stages": guard.stages_for(device, stage, config["num_stages"])}
 
 
 if triton is not None:
-    from .triton_round import round_to
+    from .rounding import round_to
 
     @triton.jit
     def _rows_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, w_stride, part_k,

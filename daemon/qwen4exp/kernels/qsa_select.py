@@ -20,11 +20,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Optional: CPU-only installs use the torch forms in qsa.py.
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    triton = tl = None
+from .guard import tl, triton
 
 # Blocks per loop step (histogram and compaction) and warps per query's program.
 SELECT_TILE = 2048

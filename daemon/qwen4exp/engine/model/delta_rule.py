@@ -1,12 +1,12 @@
-"""The gated delta rule, in float32: a chunked form for prompts and a per-token recurrence for decode.
+"""The gated delta rule in torch, in float32: a chunked form for prompts and a per-token recurrence for decode.
 
 Per value head, with q and k L2-normalised and q scaled by 1/sqrt(d_k), each token t does
     S <- exp(g_t) * S;  S <- S + k_t (beta_t (v_t - k_t^T S))^T;  o_t = q_t^T S
 The chunked form processes C tokens at once: inside a chunk the updates are folded into a unit lower
 triangular system (the WY form), and the state is carried from chunk to chunk.
-On CUDA/ROCm, bfloat16 and float16 models run the same rule in flash-linear-attention's Triton kernels
-when they are installed. float32 models keep the exact torch forms: fla's chunk kernel rounds its dot
-products through TF32 (about 1e-3 relative error on H200), which would make float32 results depend on
+The reference for the kernels (kernels/delta_rule.py for decode; flash-linear-attention's chunk kernel, when
+installed, for bfloat16/float16 prompts). float32 models keep these forms on GPUs too: fla's chunk kernel rounds
+its dot products through TF32 (about 1e-3 relative error on H200), which would make float32 results depend on
 how a prompt is chunked.
 """
 
@@ -15,20 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import gdn_decode_kernel
-
-try:  # flash-linear-attention: optional, GPU only.
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as _fla_recurrent
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _fla_chunk = _fla_recurrent = None
-
 CHUNK = 64
-
-
-def fla_available() -> bool:
-    return _fla_chunk is not None
-
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
@@ -102,21 +89,10 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk: int =
 
 
 def gated_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
-    """Dispatch: fla for half-precision models on GPU when installed, else the float32 torch forms above."""
-    if _fla_chunk is not None and q.is_cuda and v.dtype != torch.float32:
-        return _fla_gated_delta_rule(q, k, v, g, beta, state)
+    """One sequence's new tokens: the recurrence for one token, the chunked form for more."""
     if q.shape[0] == 1:
         return recurrent_gated_delta_rule(q, k, v, g, beta, state)
     return chunked_gated_delta_rule(q, k, v, g, beta, state)
-
-
-def _fla_gated_delta_rule(q, k, v, g, beta, state):
-    # fla maps value head h to key head h // (Hv / Hk) itself (grouped value attention).
-    kernel = _fla_recurrent if q.shape[0] == 1 else _fla_chunk
-    out, final = kernel(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
-                        initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
-    state.copy_(final[0])
-    return out[0]
 
 
 def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
@@ -129,10 +105,7 @@ def gated_delta_rule_rows(q, k, v, a, b, a_log, dt_bias, active: torch.Tensor, s
     """One token for each of N sequences at once: q,k [N, Hk, dk], v [N, Hv, dv], the raw gate projections
     a/b [N, Hv] (see `gates`), active [N] bool or uint8, state [N, Hv, dk, dv] float32, advanced in place for the
     active rows only. Returns o [N, Hv, dv]. Fixed shapes and no host synchronisation, so a decode step can be
-    captured in a CUDA graph. Half-precision models on a GPU use our Triton step (in place, idle rows
-    skipped, gates computed inside); the rest this torch form."""
-    if q.is_cuda and v.dtype != torch.float32 and gdn_decode_kernel.available():
-        return gdn_decode_kernel.decode_step(q, k, v, a, b, a_log, dt_bias, active, state)
+    captured in a CUDA graph."""
     g, beta = gates(a, b, a_log, dt_bias)
     groups = v.shape[1] // k.shape[1]
     q, k = q.repeat_interleave(groups, dim=1).float(), k.repeat_interleave(groups, dim=1).float()

@@ -25,15 +25,8 @@ import math
 
 import torch
 
-try:  # Optional: CPU-only installs use the torch forms in qsa.py.
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    triton = tl = None
+from .guard import interpreted, tl, triton
 
-from .triton_round import interpreted
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 # Prefill ranks 16 queries per program, so each block key tile serves 16 x heads rows of the product.
 RANK_QUERIES = 16
 RANK_BLOCKS = 64
@@ -41,11 +34,6 @@ RANK_BLOCKS = 64
 ATTEND_TOKENS = 64
 ATTEND_WARPS = 4
 DECODE_SPLITS = 8
-
-
-def usable(x: torch.Tensor) -> bool:
-    """Whether the kernels serve x: a CUDA/ROCm tensor in bfloat16/float16, outside autograd (no backward)."""
-    return triton is not None and x.is_cuda and x.dtype in SUPPORTED_DTYPES and not torch.is_grad_enabled()
 
 
 def fits(head_dim: int, heads: int, kv_heads: int, index_dim: int, index_heads: int) -> bool:
@@ -57,7 +45,7 @@ def fits(head_dim: int, heads: int, kv_heads: int, index_dim: int, index_heads: 
 
 
 if triton is not None:
-    from .triton_round import round_to
+    from .rounding import round_to
 
     @triton.jit
     def _rank_kernel(q_ptr, keys_ptr, complete_ptr, out_ptr, rows, n_blocks, keys_row_stride, sqrt_dim: tl.constexpr,

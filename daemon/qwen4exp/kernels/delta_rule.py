@@ -1,4 +1,5 @@
-"""The gated delta rule's decode step for N sequences at once, in Triton, updating the state in place.
+"""The gated delta rule in Triton: our decode step for N sequences at once, updating the state in place, and
+flash-linear-attention's kernels (when installed) for a prompt chunk.
 
 flash-linear-attention's recurrent kernel returns a new final state, so a decode step that must leave idle
 rows untouched would read and write every row's float32 state (3 MB per row and layer on the shipped model)
@@ -6,7 +7,7 @@ three more times to blend old and new. This kernel reads and writes each active 
 and skips idle rows altogether. Same arithmetic as fla's recurrent kernel: q and k L2-normalised in float32,
 q scaled by 1/sqrt(d_k), then per value column S <- exp(g) S; S <- S + k (beta (v - k^T S))^T; o = q^T S.
 It also computes the gates from the raw projections (g = -exp(A_log) softplus(a + dt_bias) in float32,
-beta = sigmoid(b) rounded to the model dtype, as `gdn_ops.gates` does) and reads q, k and v in place from
+beta = sigmoid(b) rounded to the model dtype, as `delta_rule.gates` does) and reads q, k and v in place from
 the conv output, saving a decode step some ten small kernels per layer.
 """
 
@@ -14,24 +15,20 @@ from __future__ import annotations
 
 import torch
 
-try:  # Optional: CPU-only installs use the torch form in gdn_ops.
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    triton = tl = None
+from .guard import interpreted, tl, triton
 
-from .triton_round import interpreted
+try:  # flash-linear-attention: optional, GPU only.
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as _fla_recurrent
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    _fla_chunk = _fla_recurrent = None
 
 BLOCK_V = 32
 
 
-def available() -> bool:
-    return triton is not None
-
-
 if triton is not None:
 
-    from .triton_round import rounded
+    from .rounding import rounded
 
     @triton.jit
     def _step_kernel(q_ptr, k_ptr, v_ptr, qkv_row_stride, a_ptr, b_ptr, gate_row_stride, a_log_ptr, dt_bias_ptr,
@@ -67,6 +64,13 @@ if triton is not None:
         tl.store(out_ptr + (row * V_HEADS + head) * DV + cols, out.to(out_ptr.dtype.element_ty))
 
 
+def _laid_out(x: torch.Tensor, row_stride: int, head_dim: int) -> bool:
+    """Whether x [N, H, d] has strides (row_stride, d, 1); a dimension of size 1 may have any stride (a lone row's
+    view often does), since only index 0 is read there."""
+    wanted = (row_stride, head_dim, 1)
+    return all(size == 1 or stride == want for size, stride, want in zip(x.shape, x.stride(), wanted))
+
+
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 a_log: torch.Tensor, dt_bias: torch.Tensor, active: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """q,k [N, Hk, dk], v [N, Hv, dv] (views of one [N, C] conv output row are fine), the raw gate projections
@@ -79,8 +83,7 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     row_stride = q.stride(0)
     if dv % block_v or block_v & (block_v - 1) or dk & (dk - 1) or not state.is_contiguous():
         raise ValueError(f"unsupported shapes for the decode kernel: dk {dk}, dv {dv}")
-    if k.stride(0) != row_stride or v.stride(0) != row_stride or q.stride()[1:] != (dk, 1) or \
-            k.stride()[1:] != (dk, 1) or v.stride()[1:] != (dv, 1):
+    if not (_laid_out(q, row_stride, dk) and _laid_out(k, row_stride, dk) and _laid_out(v, row_stride, dv)):
         raise ValueError("q, k and v must share one row stride, with heads contiguous inside a row")
     if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
         a, b = a.contiguous(), b.contiguous()
@@ -90,3 +93,17 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         dk ** -0.5, K_HEADS=k_heads, V_HEADS=v_heads, DK=dk, DV=dv, INTERPRETED=interpreted(v), BLOCK_V=block_v,
         num_warps=4)
     return out
+
+
+def fla_available() -> bool:
+    return _fla_chunk is not None
+
+
+def fla_chunk(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """One sequence's new tokens through fla (same contract as engine/model/delta_rule.gated_delta_rule; fla maps
+    value head h to key head h // (Hv / Hk) itself)."""
+    kernel = _fla_recurrent if q.shape[0] == 1 else _fla_chunk
+    out, final = kernel(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
+                        initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    state.copy_(final[0])
+    return out[0]

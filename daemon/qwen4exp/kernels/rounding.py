@@ -5,16 +5,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Optional: CPU-only installs never launch a kernel.
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    triton = tl = None
-
-
-def interpreted(x: torch.Tensor) -> bool:
-    """Only Triton's CPU interpreter sees CPU tensors; its bfloat16 tl.dot and rounding need help there."""
-    return x.device.type == "cpu"
+from .guard import interpreted, tl, triton
 
 
 if triton is not None:

@@ -7,22 +7,11 @@ from __future__ import annotations
 
 import torch
 
-try:  # Optional: CPU-only installs use the torch form in norms.py.
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    triton = tl = None
-
-from .triton_round import interpreted
-
-
-def usable(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) \
-        and not torch.is_grad_enabled()
+from .guard import interpreted, tl, triton
 
 
 if triton is not None:
-    from .triton_round import round_to, rounded
+    from .rounding import round_to, rounded
 
     @triton.jit
     def _gated_norm_kernel(x_ptr, gate_ptr, weight_ptr, out_ptr, eps: tl.constexpr, DIM: tl.constexpr,

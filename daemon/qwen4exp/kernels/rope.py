@@ -10,25 +10,17 @@ from __future__ import annotations
 
 import torch
 
-try:  # Optional: CPU-only installs use the torch form.
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    triton = tl = None
-
-from .triton_round import interpreted
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)   # float32 would let the compiler fuse into an FMA
+from .guard import interpreted, tl, triton
 
 
-def usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether the kernel serves x (a GPU tensor in bf16/fp16, outside autograd) with tables of its dtype."""
-    return (triton is not None and x.is_cuda and x.dtype in SUPPORTED_DTYPES and cos.dtype == x.dtype
-            and not torch.is_grad_enabled())
+def fits(x: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether the kernel takes x with these tables: of x's dtype (16-bit: in float32 the compiler could fuse
+    the rotation into an FMA, which torch does not)."""
+    return cos.dtype == x.dtype
 
 
 if triton is not None:
-    from .triton_round import round_to, rounded
+    from .rounding import round_to, rounded
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, D: tl.constexpr, RD: tl.constexpr,

@@ -23,16 +23,8 @@ from __future__ import annotations
 
 import torch
 
-try:  # Optional: CPU-only installs run the torch paths in moe.py.
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    triton = tl = None
-
-from . import pipeline_stages
-from .triton_round import interpreted
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+from . import guard
+from .guard import interpreted, tl, triton
 
 # Fixed configs, never tuned per call: results must not depend on T. Chosen by the arithmetic below and
 # checked in sm_90 SASS (16-byte loads, no spills); not yet timed on an H200 (`--bench` does that).
@@ -55,17 +47,12 @@ GROUPED_GATE_UP = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
 GROUPED_DOWN = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
 
 
-def available() -> bool:
-    """Whether Triton imported; callers still check the device and dtype."""
-    return triton is not None
-
-
 def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
            down: torch.Tensor) -> tuple[int, int, int, int]:
     """Shapes and dtypes both entry points rely on; returns (T, H, I, k). Shape checks only: no sync."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
-    if x.dtype not in SUPPORTED_DTYPES:
+    if x.dtype not in guard.SUPPORTED_DTYPES:
         raise TypeError(f"fused MoE runs bfloat16/float16 only, got {x.dtype}")
     if gate_up.dtype != x.dtype or down.dtype != x.dtype or weights.dtype != x.dtype:
         raise TypeError("x, the routing weights and the expert weights must share one dtype")
@@ -79,7 +66,7 @@ def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: t
 
 
 if triton is not None:
-    from .triton_round import round_to, rounded
+    from .rounding import round_to, rounded
 
     @triton.jit
     def _silu_mul(gate, up, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -331,8 +318,8 @@ def grouped_configs(device: torch.device, itemsize: int) -> tuple[dict, dict]:
     m, gu, dn = GROUPED_BLOCK_M, GROUPED_GATE_UP, GROUPED_DOWN
     gate_up_stage = (m * gu["BLOCK_K"] + 2 * gu["BLOCK_K"] * gu["BLOCK_N"]) * itemsize
     down_stage = (m * dn["BLOCK_K"] + dn["BLOCK_K"] * dn["BLOCK_N"]) * itemsize
-    return (gu | {"num_stages": pipeline_stages.stages_for(device, gate_up_stage, gu["num_stages"])},
-            dn | {"num_stages": pipeline_stages.stages_for(device, down_stage, dn["num_stages"])})
+    return (gu | {"num_stages": guard.stages_for(device, gate_up_stage, gu["num_stages"])},
+            dn | {"num_stages": guard.stages_for(device, down_stage, dn["num_stages"])})
 
 
 def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

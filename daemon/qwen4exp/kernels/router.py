@@ -16,28 +16,18 @@ from __future__ import annotations
 
 import torch
 
-try:  # Optional: CPU-only installs use the torch router.
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    triton = tl = None
-
-from .triton_round import interpreted
+from .guard import interpreted, tl, triton
 
 MAX_EXPERTS = 4096   # one row's logits live in registers
-# float32 models keep torch's router: they are the reference setup, and the kernel's exponential is not torch's
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def usable(logits: torch.Tensor) -> bool:
-    """Whether the kernel serves these router logits [T, E]: a GPU tensor in bf16/fp16 outside autograd, E within
-    reach."""
-    return (triton is not None and logits.is_cuda and logits.dtype in SUPPORTED_DTYPES and logits.dim() == 2
-            and logits.shape[-1] <= MAX_EXPERTS and not (torch.is_grad_enabled() and logits.requires_grad))
+def fits(logits: torch.Tensor) -> bool:
+    """Whether the kernel takes these router logits [T, E]: E within one row's registers."""
+    return logits.dim() == 2 and logits.shape[-1] <= MAX_EXPERTS
 
 
 if triton is not None:
-    from .triton_round import round_to
+    from .rounding import round_to
 
     @triton.jit
     def _route_kernel(logits_ptr, logits_stride, ids_ptr, weights_ptr, experts, K: tl.constexpr,

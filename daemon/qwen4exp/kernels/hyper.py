@@ -24,15 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:  # Optional: CPU-only installs use the torch forms in norms.py and hyper.py.
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    triton = tl = None
+from .guard import interpreted, tl, triton
+from .rounding import add_parts
 
-from .triton_round import add_parts, interpreted
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 # Decode steps have a few rows, so few programs that they left most SMs idle: each (feature block, stream)
 # pair is a program of its own and a second kernel adds the streams' rounded terms in order (the same float32
 # sum). bench/hyper_kernels_bench.py on an H200, 4 rows, weights not in L2: 10.4 us; 32-wide features 12.5 us
@@ -46,14 +40,13 @@ MIX_FEW = {"BLOCK_T": 16, "BLOCK_H": 64, "BLOCK_K": 64, "NUM_STAGES": 3, "ACT_RE
 MIX_MANY = {"BLOCK_T": 64, "BLOCK_H": 64, "BLOCK_K": 64, "NUM_STAGES": 3, "ACT_READY": True, "num_warps": 4}
 
 
-def usable(x: torch.Tensor) -> bool:
-    """Whether the fused kernels serve x: a CUDA/ROCm tensor in bfloat16/float16, outside autograd (the
-    kernels have no backward; training runs the torch forms)."""
-    return triton is not None and x.is_cuda and x.dtype in SUPPORTED_DTYPES and not torch.is_grad_enabled()
+def mix_fits(hc: int, low_rank: int) -> bool:
+    """Whether `mix_streams` takes these sizes: a power-of-two stream count and a rank of at least tl.dot's 16."""
+    return hc & (hc - 1) == 0 and low_rank >= 16
 
 
 if triton is not None:
-    from .triton_round import round_to, rounded
+    from .rounding import round_to, rounded
 
     @triton.jit
     def _norm_kernel(x_ptr, add_ptr, out_ptr, gates_ptr, weight_ptr, new_x_ptr, normed_ptr, eps: tl.constexpr,

@@ -1,63 +1,22 @@
-"""The causal depthwise convolution (with SiLU) of Gated DeltaNet and PLE over each sequence's kept inputs:
-one decode step for N rows, or a prompt chunk of one sequence.
+"""The causal depthwise convolution (with SiLU) of Gated DeltaNet and PLE as Triton kernels, for bfloat16/float16.
 
-On GPUs (bfloat16/float16) each is one Triton kernel. The step reads each row's kept inputs and newest input
-once, writes the silu'd output and shifts the kept inputs in place for active rows only (the torch form needs
-eight kernels). The chunk reads the projection in its [n, C] layout, where the torch form transposes it to
-[C, n] and back around a depthwise conv1d that is slow on that shape (0.44 ms per 4096 x 10240 chunk)."""
+The step (N rows, one new input each) reads each row's kept inputs and newest input once, writes the silu'd
+output and shifts the kept inputs in place for active rows only (the torch form needs eight kernels). The
+chunk reads the projection in its [n, C] layout, where the torch form transposes it to [C, n] and back around
+a depthwise conv1d that is slow on that shape. Both sum in float32 and round to x's dtype where the torch forms
+(engine/model/conv.py) do."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-try:  # Optional: CPU-only installs use the torch form below.
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    triton = tl = None
-
-from .triton_round import interpreted
+from .guard import interpreted, tl, triton
 
 BLOCK_C = 128
 
 
-def _fused(x: torch.Tensor) -> bool:
-    """A GPU half-precision tensor outside autograd (the kernels have no backward; training runs torch's)."""
-    return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) \
-        and not torch.is_grad_enabled()
-
-
-def causal_conv_step(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dilation: int,
-                     active: torch.Tensor) -> torch.Tensor:
-    """silu(conv) of each row's newest input x [N, C] over its kept inputs state [N, C, L] (kernel
-    weight [C, 1, K], L = (K - 1) * dilation), summed in float32 and rounded to x's dtype. Active rows keep
-    their newest L inputs; the others' state stays as it was."""
-    if _fused(x):
-        return conv_step_kernel(state, x, weight, dilation, active)
-    window = torch.cat((state, x[:, :, None]), dim=-1)
-    taps = window[:, :, ::dilation]
-    out = (taps.float() * weight[:, 0].float()).sum(-1).to(x.dtype)
-    state.copy_(torch.where(active.bool()[:, None, None], window[:, :, 1:], state))
-    return F.silu(out)
-
-
-def causal_conv_chunk(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dilation: int) -> torch.Tensor:
-    """silu(conv) over the chunk x [n, C] of one sequence that continues its kept inputs state [C, L], summed
-    in float32 and rounded to x's dtype ([n, C]); state becomes the last L inputs."""
-    kept = state.shape[-1]
-    if _fused(x):
-        out = conv_chunk_kernel(state, x, weight, dilation)
-        state.copy_(torch.cat((state, x[-kept:].t()), dim=-1)[:, -kept:])
-        return out
-    window = torch.cat((state, x.t()), dim=-1)
-    state.copy_(window[:, -kept:])
-    return F.silu(F.conv1d(window.unsqueeze(0).to(weight.dtype), weight, groups=weight.shape[0],
-                           dilation=dilation)).squeeze(0).t()
-
-
 if triton is not None:
-    from .triton_round import round_to, rounded
+    from .rounding import round_to, rounded
 
     @triton.jit
     def _conv_chunk_kernel(state_ptr, x_ptr, weight_ptr, out_ptr, n, channels, L: tl.constexpr, K: tl.constexpr,
@@ -107,9 +66,9 @@ if triton is not None:
             tl.store(state_row + taps[None, :], shifted, mask=c_ok[:, None] & (taps[None, :] < L))
 
 
-def conv_step_kernel(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dilation: int,
+def conv_step(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dilation: int,
                      active: torch.Tensor) -> torch.Tensor:
-    """The Triton form of `causal_conv_step` (x may be a row-strided view)."""
+    """The kernel form of conv.causal_conv_step (x may be a row-strided view)."""
     rows, channels, kept = state.shape
     taps = weight.shape[-1]
     if kept != (taps - 1) * dilation or not state.is_contiguous() or x.stride(1) != 1:
@@ -122,8 +81,8 @@ def conv_step_kernel(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-def conv_chunk_kernel(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dilation: int) -> torch.Tensor:
-    """The Triton form of `causal_conv_chunk`'s output (the caller moves the kept inputs on)."""
+def conv_chunk(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dilation: int) -> torch.Tensor:
+    """The kernel form of conv.causal_conv_chunk's output (the caller moves the kept inputs on)."""
     channels, kept = state.shape
     n, taps = x.shape[0], weight.shape[-1]
     if kept != (taps - 1) * dilation or x.shape[1] != channels:

@@ -1,0 +1,127 @@
+"""What an engine is built from, decided once: from a profile's settings (`EngineConfig.from_settings`) for serve,
+plan and generate, or from a bench's own flags. Every caller builds its engine with `Engine.from_config` and, when
+max_ctx is "auto", resolves the context with `resolve_context`, so `plan` fits exactly as the daemon does and an
+offline answer is cut on the chunk grid the daemon cuts on.
+
+Plain values and no torch at import: the daemon pickles the config to its engine worker, and the daemon's own
+process and its request-preparing processes never import torch. The methods that need torch import it when called.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _whole(key: str, value: Any, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        span = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        raise ValueError(f"engine setting {key} must be a whole number {span}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None              # checkpoint directory (resolved); None: the caller builds the model
+    device: str = "auto"                  # "cpu", "cuda", "cuda:N", or "auto": the GPU when torch sees one
+    dtype: str = "auto"                   # one of DTYPE_NAMES, or "auto": bfloat16 on a GPU, float32 on the CPU
+    slots: int = 4
+    max_ctx: int | str = "auto"           # positions per slot, or "auto": the largest that fits, fitted on the device
+    chunk: int = 512                      # prompt tokens per prefill forward
+    restore_spacing: int | None = None    # tokens between prefix snapshots; None: the chunk
+    prefix_cache: bool = False
+    prefix_cache_limit: int | str = "auto"      # bytes of snapshots kept, or "auto" (decided from free memory)
+    device_memory_limit: int | None = None      # cap on what the engine allocates on its device
+    queue_limit: int = 64
+    cuda_graphs: bool = True
+    compile_decode: bool = False
+
+    def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"engine setting model must be a checkpoint directory, got {self.model!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"engine setting device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
+        if self.dtype not in (*DTYPE_NAMES, "auto"):
+            raise ValueError(f"engine setting dtype must be one of {', '.join(DTYPE_NAMES)} or 'auto', "
+                             f"got {self.dtype!r}")
+        _whole("slots", self.slots, 1, 8)
+        if self.max_ctx != "auto":
+            _whole("max_ctx", self.max_ctx, 1)
+        _whole("chunk", self.chunk, 1)
+        if self.restore_spacing is not None:
+            _whole("restore_spacing", self.restore_spacing, 1)
+        if self.prefix_cache_limit != "auto":
+            _whole("prefix_cache_limit", self.prefix_cache_limit, 0)
+        if self.device_memory_limit is not None:
+            _whole("device_memory_limit", self.device_memory_limit, 1)
+        _whole("queue_limit", self.queue_limit, 1)
+        for key in ("prefix_cache", "cuda_graphs", "compile_decode"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"engine setting {key} must be true or false, got {getattr(self, key)!r}")
+
+    @classmethod
+    def from_settings(cls, settings) -> "EngineConfig":
+        """The engine a profile serves (config.Settings, already validated): every engine-side key, with the
+        model's directory resolved and the target's own memory limit taking precedence."""
+        from ..model_dir import resolve_model
+
+        target, cache = settings.target, settings.prefix_cache
+        return cls(model=str(resolve_model(settings.model)), device=target.name, dtype=settings.dtype,
+                   slots=settings.slots, max_ctx=settings.max_ctx, chunk=settings.chunk_tokens,
+                   restore_spacing=settings.restore_spacing, prefix_cache=cache.enabled,
+                   prefix_cache_limit=cache.resident_limit, device_memory_limit=settings.memory_limit_for(target),
+                   queue_limit=settings.server.queue_limit, cuda_graphs=settings.cuda_graphs,
+                   compile_decode=settings.compile_decode)
+
+    @property
+    def spacing(self) -> int:
+        return self.restore_spacing or self.chunk
+
+    # ---- the steps that need torch (called in the engine's process) -------------------------------
+    def torch_device(self):
+        from .loading import resolve_device
+        from .memory import as_device
+        return as_device(resolve_device(self.device))
+
+    def dtype_on(self, device) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device.type == "cuda" else "float32"
+
+    def load_model(self, progress: bool = False):
+        """(device, model): the device's memory limit set first, so the load already stays under it, then the
+        checkpoint loaded there in this config's dtype."""
+        from .loading import load_model
+        from .memory import set_device_memory_limit
+
+        if self.model is None:
+            raise ValueError("engine setting model is not set: there is no checkpoint to load")
+        device = self.torch_device()
+        set_device_memory_limit(device, self.device_memory_limit)
+        return device, load_model(self.model, dtype=self.dtype_on(device), device=device, progress=progress)
+
+    def fit_settings(self, device) -> dict[str, Any]:
+        """The context fit's inputs for this engine on `device`, the same for `serve` and `plan`: the slots, the
+        chunk it must hold at the last position (rounded up to the planner's granule), the memory limit, and
+        whether prefix snapshots take the device's memory (where the snapshot backend puts them)."""
+        from .fit import floor_chunk
+        from .snapshot import snapshots_share_device_memory
+        return dict(slots=self.slots, device=device, chunk_floor=floor_chunk(self.chunk),
+                    memory_limit=self.device_memory_limit, snapshots_on_device=snapshots_share_device_memory(device))
+
+    def resolve_context(self, model, device, **fit_overrides):
+        """The context to serve (fit.ContextChoice): max_ctx checked when it is a number, else fitted on `device`
+        with `fit_settings`; `fit_overrides` are plan's what-ifs (headroom, verify, snapshot placement)."""
+        from .fit import resolve_max_ctx
+        return resolve_max_ctx(self.max_ctx, model, **(self.fit_settings(device) | fit_overrides))
+
+    def new_prefix_cache(self, model, device):
+        """A prefix cache for this engine (it outlives an engine: a park keeps it), or None when it is off."""
+        if not self.prefix_cache:
+            return None
+        from .prefix_cache import PrefixCache, auto_resident_limit
+        from .snapshot import SnapshotBackend
+        backend = SnapshotBackend.for_device(device)
+        limit = auto_resident_limit(backend) if self.prefix_cache_limit == "auto" else self.prefix_cache_limit
+        return PrefixCache(self.spacing, limit, backend, model.config.indexer_compress_ratio)

@@ -1,0 +1,65 @@
+"""What one forward runs over: a step batch, handed down through every layer with its ops backend.
+
+Two phases share every layer's one forward:
+- a prompt chunk: n new tokens of one sequence at positions start..start+n-1, over its SequenceState;
+- a decode step: one new token for each of the N rows of a StateBatch, at fixed shapes (a CUDA graph replays
+  it); rows not `active` compute but keep their state.
+Both states have the same layout (`layers[i]`, `ple[i]`, `extra`), the first with a leading row dimension in
+decode, so a layer reads its state as `step.state.layers[i]` in either phase and only the ops calls that truly
+differ (conv, the delta rule, the n-gram context, QSA selection and attention) ask which phase runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..state import SequenceState, StateBatch
+
+if TYPE_CHECKING:
+    from .ops import TorchOps
+
+
+@dataclass
+class Step:
+    ops: TorchOps                        # the model's backend, chosen when it was built (backend.py)
+    token_ids: torch.Tensor              # [T]
+    positions: torch.Tensor              # [T], where each token goes
+    state: SequenceState | StateBatch
+    cos_table: torch.Tensor              # rope tables indexed by position (ahead of every position here)
+    sin_table: torch.Tensor
+    start: int = 0                       # a chunk's first position, on the host (slices need no device read)
+    active: torch.Tensor | None = None   # decode: [N] bool, the rows whose state advances
+    flags: torch.Tensor | None = None    # active as uint8, converted once per step for the kernels that read it
+    cos: torch.Tensor = field(init=False)   # the rows' own rope values [T, rotary_dim]
+    sin: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        if self.decode:
+            self.cos, self.sin = self.cos_table[self.positions], self.sin_table[self.positions]
+        else:
+            end = self.start + self.token_ids.numel()
+            self.cos, self.sin = self.cos_table[self.start:end], self.sin_table[self.start:end]
+
+    @property
+    def decode(self) -> bool:
+        return self.active is not None
+
+    @property
+    def end(self) -> int:
+        """A chunk's position after its last token."""
+        return self.start + self.token_ids.numel()
+
+    @classmethod
+    def chunk(cls, ops, token_ids: torch.Tensor, state: SequenceState, rope: tuple[torch.Tensor, torch.Tensor]
+              ) -> "Step":
+        start = state.length
+        positions = torch.arange(start, start + token_ids.numel(), device=token_ids.device)
+        return cls(ops, token_ids, positions, state, rope[0], rope[1], start=start)
+
+    @classmethod
+    def rows(cls, ops, token_ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor, states: StateBatch,
+             rope: tuple[torch.Tensor, torch.Tensor]) -> "Step":
+        return cls(ops, token_ids, positions, states, rope[0], rope[1], active=active, flags=active.to(torch.uint8))

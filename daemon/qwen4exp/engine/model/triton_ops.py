@@ -1,0 +1,115 @@
+"""The Triton backend: the kernels of daemon/qwen4exp/kernels for bfloat16/float16 models on CUDA/ROCm devices.
+
+Chosen by ops.ops_for when guard.serves the model's device and dtype. Each override keeps its torch form's
+contract and rounding points (the kernels' tests hold them to it) and falls back to the torch form for shapes
+its kernel does not take; which form runs depends on the shapes alone, never on the data, so every step of an
+engine sums alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...kernels import conv as conv_kernels
+from ...kernels import delta_rule as delta_rule_kernels
+from ...kernels import gated_norm, hyper, moe, qsa_attention, qsa_select, rope, router, row_products
+from . import conv, delta_rule
+from .ops import TorchOps
+
+
+class TritonOps(TorchOps):
+    name = "triton"
+
+    def linear(self, x, weight, step):
+        # A decode step's few rows stream each weight once in row_products' kernel where it beats cuBLAS.
+        return row_products.linear(x, weight) if step.decode else F.linear(x, weight)
+
+    def rms_norm(self, x, norm):
+        return hyper.norm_rows(x, norm.weight, norm.eps, norm.group_size or x.shape[-1])[1]
+
+    def gated_rms_norm(self, x, gate, norm):
+        return gated_norm.gated_norm(x, gate, norm.weight, norm.eps, norm.silu)
+
+    def rotate(self, x, cos, sin):
+        return rope.rotate(x, cos, sin) if rope.fits(x, cos) else super().rotate(x, cos, sin)
+
+    def update_and_norm(self, streams, norm, add=None, inject=None):
+        return hyper.norm_rows(streams, norm.weight, norm.eps, norm.group_size, add, inject)
+
+    def mix_streams(self, down, up_weight, normed, hc, gate_logits):
+        if not hyper.mix_fits(hc, down.shape[-1]):
+            return super().mix_streams(down, up_weight, normed, hc, gate_logits)
+        return hyper.mix_streams(down, up_weight, normed, hc, gate_logits)
+
+    def route(self, logits, top_k, normalize, step):
+        if step.decode and router.fits(logits):
+            return router.route_rows(logits, top_k, normalize)
+        return super().route(logits, top_k, normalize, step)
+
+    def experts(self, x, ids, weights, experts, shared, step):
+        if step.decode:
+            return moe.moe_rows(x, ids, weights, experts.gate_up_proj, experts.down_proj, step.flags, shared)
+        routed = moe.moe_grouped(x, ids, weights, experts.gate_up_proj, experts.down_proj)
+        return routed + torch.sigmoid(shared[1]) * shared[0]
+
+    def causal_conv(self, x, weight, dilation, kept, step):
+        if step.decode:
+            return conv_kernels.conv_step(kept, x, weight, dilation, step.flags)
+        out = conv_kernels.conv_chunk(kept, x, weight, dilation)
+        conv.keep_last_inputs(kept, x)
+        return out
+
+    def delta_rule(self, q, k, v, a, b, a_log, dt_bias, recurrent, step):
+        if step.decode:
+            return delta_rule_kernels.decode_step(q, k, v, a, b, a_log, dt_bias, step.flags, recurrent)
+        if not delta_rule_kernels.fla_available():
+            return super().delta_rule(q, k, v, a, b, a_log, dt_bias, recurrent, step)
+        g, beta = delta_rule.gates(a, b, a_log, dt_bias)
+        return delta_rule_kernels.fla_chunk(q, k, v, g, beta, recurrent)
+
+    def qsa_attention(self, attn, q, index_q, step, state):
+        indexer = attn.indexer
+        if not qsa_attention.fits(attn.head_dim, attn.heads, attn.kv_heads, indexer.dim, indexer.heads):
+            return super().qsa_attention(attn, q, index_q, step, state)
+        scale = attn.head_dim ** -0.5
+        if step.decode:
+            complete = (step.positions + 1) // indexer.ratio
+            keys = qsa_attention.rank_blocks(index_q, state.block_keys, complete)
+            index, valid = qsa_select.token_lists(keys, complete, step.positions,
+                                                  min(indexer.block_topk, state.block_keys.shape[1]), indexer.ratio,
+                                                  state.index_keys.shape[1])
+            out = qsa_attention.sparse_attention(q, state.keys, state.values, index, valid, scale,
+                                                 splits=qsa_attention.DECODE_SPLITS)
+        else:
+            index, valid = self._chunk_token_lists(indexer, index_q, step.start, state)
+            out = qsa_attention.sparse_attention(q, state.keys, state.values, index, valid, scale)
+        return out.reshape(q.shape[0], -1)
+
+    @staticmethod
+    def _chunk_token_lists(indexer, index_q: torch.Tensor, start: int, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each query's tokens as a list (index, valid [n, S], S = budget + ratio): the same tokens as
+        Indexer.select_mask, in ascending order; a query's list does not depend on the chunk it comes in."""
+        from .qsa import QUERY_SLICE, SCORE_BUDGET_BYTES, query_slices, token_lists
+        n, device = index_q.shape[0], index_q.device
+        end = start + n
+        positions = torch.arange(start, end, device=device)
+        complete = (positions + 1) // indexer.ratio
+        capacity = state.index_keys.shape[0]
+        if end <= indexer.block_topk * indexer.ratio + indexer.ratio - 1:
+            # Dense: every query sees fewer than block_topk complete blocks, so ranking would keep them all.
+            chosen = torch.arange(indexer.block_topk, device=device).expand(n, -1)
+            return token_lists(chosen, complete, positions, indexer.ratio, capacity)
+        blocks = state.block_keys[:end // indexer.ratio]
+        width = (indexer.block_topk + 1) * indexer.ratio
+        index = torch.empty(n, width, dtype=torch.int32, device=device)
+        valid = torch.empty(n, width, dtype=torch.bool, device=device)
+        # The ranking keys ([rows, n_blocks] int64) are the work space that grows with the prefix.
+        for first, last in query_slices(n, max(QUERY_SLICE, SCORE_BUDGET_BYTES // (16 * blocks.shape[0]))):
+            keys = qsa_attention.rank_blocks(index_q[first:last], blocks, complete[first:last])
+            qsa_select.token_lists(keys, complete[first:last], positions[first:last], indexer.block_topk,
+                                   indexer.ratio, capacity, out=(index[first:last], valid[first:last]))
+        return index, valid
+
+
+TRITON_OPS = TritonOps()

@@ -1,0 +1,72 @@
+"""The engine configuration: built once from a profile, sent to the engine worker as it is, refused by key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from qwen4exp.config import load_settings
+from qwen4exp.engine.engine_config import EngineConfig
+from qwen4exp.model_dir import EMBEDDED_MODEL
+
+MiB = 1 << 20
+
+
+def test_the_tiny_profile_is_the_engine_it_describes():
+    config = EngineConfig.from_settings(load_settings("tiny", env={}))
+    assert config == EngineConfig(model=str(EMBEDDED_MODEL), device="cpu", dtype="float32", slots=4, max_ctx=4096,
+                                  chunk=64, restore_spacing=64, prefix_cache=True, prefix_cache_limit=64 * MiB,
+                                  device_memory_limit=None, queue_limit=64, cuda_graphs=True, compile_decode=False)
+
+
+def test_a_gpu_profile_takes_the_automatic_chunk_and_its_devices_limit(tmp_path):
+    profile = tmp_path / "gpu.toml"
+    profile.write_text('model = "tiny"\nmax_ctx = "auto"\ndevice_memory_limit = "100GiB"\n'
+                       '[[devices]]\nname = "cuda"\nrole = "target"\nmemory_limit = "30GiB"\n'
+                       '[prefix_cache]\nresident_limit = "auto"\n[server]\nqueue_limit = 9\n')
+    config = EngineConfig.from_settings(load_settings(profile, env={}))
+    assert (config.device, config.chunk, config.spacing, config.max_ctx) == ("cuda:0", 2048, 2048, "auto")
+    assert config.device_memory_limit == 30 << 30 and config.prefix_cache_limit == "auto" and config.queue_limit == 9
+
+
+def test_the_daemon_sends_it_to_the_worker_without_importing_torch():
+    """The daemon's process (the app, the supervisor, the config built from a profile and pickled for the worker)
+    never imports torch: its start and its request-preparing processes stay light."""
+    code = ("import pickle, sys\n"
+            "from qwen4exp.config import load_settings\n"
+            "from qwen4exp.engine.engine_config import EngineConfig\n"
+            "import qwen4exp.server.app\n"
+            "config = EngineConfig.from_settings(load_settings('tiny', env={}))\n"
+            "assert pickle.loads(pickle.dumps(config)) == config\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"slots": 9}, "slots"),
+    ({"slots": True}, "slots"),
+    ({"chunk": 0}, "chunk"),
+    ({"max_ctx": "big"}, "max_ctx"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"prefix_cache_limit": -1}, "prefix_cache_limit"),
+    ({"device_memory_limit": 0}, "device_memory_limit"),
+    ({"cuda_graphs": "yes"}, "cuda_graphs"),
+])
+def test_a_bad_value_is_refused_naming_its_key(changes, key):
+    with pytest.raises(ValueError, match=rf"engine setting {key} must be"):
+        EngineConfig(**changes)
+
+
+def test_an_automatic_context_must_be_resolved_before_the_engine_is_built(tiny_checkpoint):
+    from qwen4exp.engine.engine import Engine
+
+    config = EngineConfig(model=str(tiny_checkpoint), device="cpu", dtype="float32", slots=2, max_ctx="auto", chunk=32)
+    _, model = config.load_model()
+    with pytest.raises(ValueError, match="max_ctx is 'auto': resolve the context first"):
+        Engine.from_config(model, config)
+    engine = Engine.from_config(model, config, context=256)
+    assert (len(engine.pool.slots), engine.context, engine.chunk) == (2, 256, 32)
