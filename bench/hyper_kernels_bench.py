@@ -2,22 +2,25 @@
 
     python bench/hyper_kernels_bench.py --out hyper.json
 
-For each row count (a decode step's 1 and 4 rows, a 4096-token prompt chunk): the whole `update_and_mix`
-(injection, norm, both projections, mixing) fused and in torch, then `mix_streams` alone under a few block
-shapes, so the defaults in hyper_kernels.py can be chosen from measurements.
+For each row count (a decode step's 1 and 4 rows, a 4096-token prompt chunk): a whole hyper-connection
+(injection, norm, both projections, mixing) on the Triton ops and on the torch ops, then `mix_streams` alone under
+a few block shapes, so the defaults in kernels/hyper.py can be chosen from measurements.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import torch
 
 from graph_timing import graph_us
 
-from qwen4exp.kernels import hyper as hyper_kernels
 from qwen4exp.engine.model.hyper import GatedResidual
+from qwen4exp.engine.model.ops import TORCH_OPS
+from qwen4exp.engine.model.triton_ops import TRITON_OPS
+from qwen4exp.kernels import hyper as hyper_kernels
 
 FEW = hyper_kernels.MIX_FEW
 CANDIDATES = {
@@ -54,8 +57,11 @@ def main() -> None:
         streams = torch.randn(rows, hc * hidden, generator=gen, device="cuda").bfloat16()
         out = torch.randn(rows, hidden, generator=gen, device="cuda").bfloat16()
         gates = (2 * torch.rand(rows, hc, generator=gen, device="cuda")).bfloat16()
+        # What a hyper-connection reads of a step: its backend, and whether the rows are a decode step's.
+        fused_step = SimpleNamespace(ops=TRITON_OPS, decode=rows <= hyper_kernels.FEW_ROWS)
+        torch_step = SimpleNamespace(ops=TORCH_OPS, decode=rows <= hyper_kernels.FEW_ROWS)
         with torch.inference_mode():
-            fused = graph_us(lambda _: res.update_and_mix(streams, inject=(out, gates)))
+            fused = graph_us(lambda _: res(streams, fused_step, inject=(out, gates)))
             _, normed = hyper_kernels.norm_rows(streams, res.hc_norm.weight, res.hc_norm.eps, hidden)
             down = res.input_mix_weight_down(normed)
             logits = res.block_inject_weight(normed)
@@ -70,8 +76,8 @@ def main() -> None:
                 except Exception as err:  # noqa: BLE001 - a shape the compiler rejects is a result too
                     us = f"failed: {type(err).__name__}: {str(err)[:200]}"
                 configs[json.dumps(config, sort_keys=True)] = us
-        with torch.enable_grad():   # the kernels step aside under autograd: the torch form
-            eager = graph_us(lambda _: res.update_and_mix(streams, inject=(out, gates)), calls=5)
+        with torch.inference_mode():
+            eager = graph_us(lambda _: res(streams, torch_step, inject=(out, gates)), calls=5)
         flops = 2 * rows * rank * hc * hidden
         report["rows"][rows] = {"update_and_mix_fused_us": round(fused, 2), "update_and_mix_torch_us": round(eager, 2),
                                 "up_projection_gflop": flops / 1e9, "mix_streams_us_by_config": configs}

@@ -12,9 +12,10 @@ from functools import partial
 import torch
 import triton
 
-from qwen4exp.engine.model.moe import Experts
-from qwen4exp.kernels.moe import (GROUPED_BLOCK_M, GROUPED_DOWN, GROUPED_GATE_UP, ROWS_DOWN,
-                                               ROWS_GATE_UP, available, moe_grouped, moe_rows)
+from qwen4exp.engine.model.moe import Experts, experts_grouped, experts_per_row
+from qwen4exp.kernels import guard
+from qwen4exp.kernels.moe import (GROUPED_BLOCK_M, GROUPED_DOWN, GROUPED_GATE_UP, ROWS_DOWN, ROWS_GATE_UP,
+                                  moe_grouped, moe_rows)
 
 
 def bench() -> None:
@@ -48,10 +49,10 @@ def bench() -> None:
     for rows in (1, 2, 4):
         x, ids, weights = routing(rows)
         got = moe_rows(x, ids, weights, gate_up, down)
-        want = experts.forward_per_row_torch(x, ids, weights)
+        want = experts_per_row(x, ids, weights, gate_up, down)
         again = moe_rows(x, ids, weights, gate_up, down)
         ms = triton.testing.do_bench(partial(moe_rows, x, ids, weights, gate_up, down), return_mode="median")
-        torch_ms = triton.testing.do_bench(partial(experts.forward_per_row_torch, x, ids, weights),
+        torch_ms = triton.testing.do_bench(partial(experts_per_row, x, ids, weights, gate_up, down),
                                            return_mode="median")
         moved = torch.unique(ids).numel() * expert_bytes + 2 * x.numel() * x.element_size()
         print(f"  T={rows}: {errors(got, want)}; deterministic {torch.equal(got, again)}; "
@@ -80,11 +81,11 @@ def bench() -> None:
     for rows in (4096, 16384):
         x, ids, weights = routing(rows)
         got = moe_grouped(x, ids, weights, gate_up, down)
-        want = experts.forward_torch(x, ids, weights)
+        want = experts_grouped(x, ids, weights, gate_up, down)
         again = moe_grouped(x, ids, weights, gate_up, down)
         head = moe_grouped(x[:100], ids[:100], weights[:100], gate_up, down)
         ms = triton.testing.do_bench(partial(moe_grouped, x, ids, weights, gate_up, down), return_mode="median")
-        torch_ms = triton.testing.do_bench(partial(experts.forward_torch, x, ids, weights), rep=200,
+        torch_ms = triton.testing.do_bench(partial(experts_grouped, x, ids, weights, gate_up, down), rep=200,
                                            return_mode="median")
         flops = 2 * rows * top_k * 3 * hidden * inter
         print(f"  T={rows}: {errors(got, want)}; deterministic {torch.equal(got, again)}; "
@@ -94,6 +95,6 @@ def bench() -> None:
 
 
 if __name__ == "__main__":
-    if not available() or not torch.cuda.is_available():
+    if guard.triton is None or not torch.cuda.is_available():
         raise SystemExit("the benchmark needs Triton and a CUDA/ROCm device")
     bench()

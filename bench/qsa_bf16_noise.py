@@ -18,7 +18,14 @@ import torch
 from qwen4exp.checkpoint.writer import write_random_checkpoint
 from qwen4exp.engine.generate import generate
 from qwen4exp.engine.loading import load_model
-from qwen4exp.kernels import qsa_attention as qsa_kernels
+from qwen4exp.engine.model.ops import TorchOps
+from qwen4exp.engine.model.triton_ops import TritonOps
+
+
+class QSAKernelsOnly(TorchOps):
+    """The torch forms but for QSA's selection and attention, which take the Triton kernels (interpreted here)."""
+    qsa_attention = TritonOps.qsa_attention
+    _chunk_token_lists = staticmethod(TritonOps._chunk_token_lists)
 
 
 def all_logits(model, sequence: torch.Tensor, chunk: int | None) -> torch.Tensor:
@@ -49,8 +56,8 @@ def main() -> None:
 
     for chunk in (None, 1):
         report(f"bf16, torch forms, chunk {chunk or 'all'}", all_logits(low, sequence, chunk))
-    # The kernels' own check wants a GPU tensor; under the interpreter they run on CPU tensors.
-    qsa_kernels.usable = lambda x: x.dtype in qsa_kernels.SUPPORTED_DTYPES and not torch.is_grad_enabled()
+    # A CPU model gets the torch ops; under the interpreter the kernels run on CPU tensors.
+    low.ops = QSAKernelsOnly()
     for chunk in (None, 1):
         report(f"bf16, QSA kernels (interpreted), chunk {chunk or 'all'}", all_logits(low, sequence, chunk))
 

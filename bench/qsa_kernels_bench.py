@@ -1,4 +1,4 @@
-"""Time QSA's kernels (engine/model/qsa_kernels.py) against the torch forms at the shipped sizes on a GPU.
+"""Time QSA's kernels (kernels/qsa_attention.py) against the torch forms at the shipped sizes on a GPU.
 
     python bench/qsa_kernels_bench.py --out qsa.json
 

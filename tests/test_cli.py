@@ -38,7 +38,7 @@ def test_generate_json_prints_ids_text_and_timings(tiny_checkpoint, capsys):
 def test_prompts_file_runs_together_and_prints_in_order(tiny_checkpoint, tmp_path, capsys):
     lines = [{"prompt": "The mill by the river", "max_tokens": 6},
              {"prompt_ids": list(range(5, 205)), "max_tokens": 9, "temperature": 0.8, "seed": 3},
-             {"prompt": "Hi", "chat": True, "max_tokens": 4, "stop_token_ids": []}]
+             {"prompt": "Hi<|im_end|>", "chat": True, "max_tokens": 4, "stop_token_ids": []}]
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     out = json.loads(_run(capsys, "generate", "--model", str(tiny_checkpoint), "--prompts-file", str(path),
@@ -47,6 +47,9 @@ def test_prompts_file_runs_together_and_prints_in_order(tiny_checkpoint, tmp_pat
     assert [a["index"] for a in answers] == [0, 1, 2]
     assert [len(a["token_ids"]) for a in answers] == [6, 9, 4]
     assert answers[1]["prompt_tokens"] == 200
+    # A chat line is tokenized as the server tokenizes a chat: the special string in its text stays text.
+    tokenizer = Tokenizer.from_dir(tiny_checkpoint)
+    assert answers[2]["prompt_tokens"] == len(tokenizer.encode_chat([{"role": "user", "content": "Hi<|im_end|>"}]))
     # Each answer is what the engine gives that request alone (same slots and chunk).
     model = load_model(str(tiny_checkpoint), dtype="float32", device="cpu", progress=False)
     from qwen4exp.engine.sampling import SamplingParams

@@ -1,7 +1,7 @@
 """The Gated DeltaNet decode kernels on the CPU through Triton's interpreter, against the torch forms the CPU
-engine uses: the delta-rule step (gdn_decode_kernel.py: same outputs, the same advanced state for active rows,
-idle rows' state untouched, q/k/v read in place from the conv output), the causal conv step (conv_step.py, also
-PLE's dilated conv) and the gated output norm (gated_norm_kernel.py). Run in a child process: TRITON_INTERPRET
+engine uses: the delta-rule step (kernels/delta_rule.py: same outputs, the same advanced state for active rows,
+idle rows' state untouched, q/k/v read in place from the conv output), the causal conv step (kernels/conv.py, also
+PLE's dilated conv) and the gated output norm (kernels/gated_norm.py). Run in a child process: TRITON_INTERPRET
 must be set before Triton is imported."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The fused hyper-connection and RMSNorm kernels (hyper_kernels.py) on the CPU through Triton's interpreter,
+"""The fused hyper-connection and RMSNorm kernels (kernels/hyper.py) on the CPU through Triton's interpreter,
 against the torch forms the CPU engine runs: the same streams after a PLE add or a sublayer injection (bit for
 bit), the same normed values, mixed sublayer input and gates up to float32 summation order, and a row's result
 independent of the rows beside it. Run in a child process: TRITON_INTERPRET must be set before Triton is

@@ -1,8 +1,8 @@
-"""The fused MoE Triton kernels (moe_kernels.py), run on the CPU through Triton's interpreter.
+"""The fused MoE Triton kernels (kernels/moe.py), run on the CPU through Triton's interpreter.
 
 TRITON_INTERPRET must be set before Triton is imported, and another module of this pytest process may have
-imported Triton already (flash-linear-attention does, through gdn_ops). So the checks run once, in one child
-process started with that variable, and each test below reports one check's verdict.
+imported Triton already (flash-linear-attention does, through kernels/delta_rule.py). So the checks run once, in
+one child process started with that variable, and each test below reports one check's verdict.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""QSA's Triton kernels (engine/model/qsa_kernels.py) against the torch forms: the token lists that the block
-ranking gives hold exactly the tokens of `Indexer.select`'s mask, in ascending order, whatever the chunking;
+"""QSA's Triton kernels (kernels/qsa_attention.py, kernels/qsa_select.py) against the torch forms: the token lists
+that the block ranking gives hold exactly the tokens of `Indexer.select_mask`'s mask, in ascending order, whatever
+the chunking;
 sparse attention over a list equals softmax attention over the gathered tokens, in one program per list or
 split over several. On the CPU through Triton's interpreter (in a child process: TRITON_INTERPRET must be set
 before Triton is imported), and at the shipped sizes on a GPU (`pytest -m gpu`)."""

@@ -1,4 +1,4 @@
-"""The token-list kernel (qsa_select_kernel.py) against the torch form it replaces: torch.topk over the ranking
+"""The token-list kernel (kernels/qsa_select.py) against the torch form it replaces: torch.topk over the ranking
 keys, a sort back into block order, and qsa.token_lists. Every valid entry must be the same token at the same
 place (so attention sums the same tokens in the same order), every other entry invalid. Cases: many tied scores
 (ties go to the earlier block), queries that see fewer blocks than k, none, exactly k, k equal to the block

@@ -1,6 +1,6 @@
-"""The rotary-embedding kernel (rope_kernel.py) against the torch form of rope.py, bit for bit: on the CPU through
-Triton's interpreter (whole and partial rotary, per-head and flat inputs, bf16 and fp16), and on a GPU at the
-shipped QSA sizes. Run in a child process: TRITON_INTERPRET must be set before Triton is imported."""
+"""The rotary-embedding kernel (kernels/rope.py) against the torch form of engine/model/rope.py, bit for bit: on the
+CPU through Triton's interpreter (whole and partial rotary, per-head and flat inputs, bf16 and fp16), and on a GPU
+at the shipped QSA sizes. Run in a child process: TRITON_INTERPRET must be set before Triton is imported."""
 
 from __future__ import annotations
 
@@ -51,9 +51,10 @@ def test_kernel_equals_the_torch_form(results):
 
 @pytest.mark.gpu
 def test_kernel_equals_the_torch_form_on_gpu():
-    """QSA's shipped head shapes on the GPU (the torch form runs there when autograd is on)."""
+    """QSA's shipped head shapes on the GPU: the kernel against the torch form, bit for bit."""
     import torch
     from qwen4exp.engine.model.rope import Rotary, apply_rotary
+    from qwen4exp.kernels import rope as rope_kernel
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA/ROCm device")
@@ -63,7 +64,6 @@ def test_kernel_equals_the_torch_form_on_gpu():
         x = torch.randn(*shape, generator=gen, device="cuda").bfloat16()
         n = shape[0]
         with torch.inference_mode():
-            got = apply_rotary(x, cos[:n], sin[:n])
-        with torch.enable_grad():
+            got = rope_kernel.rotate(x, cos[:n], sin[:n])
             want = apply_rotary(x, cos[:n], sin[:n])
         assert torch.equal(got, want), shape

@@ -51,9 +51,9 @@ def _request(entry: dict, where: str, tokenizer, default_max_tokens: int, eos_id
         if not isinstance(entry["prompt"], str):
             raise PromptsFileError(f"{where}: \"prompt\" must be a string")
         text = entry["prompt"]
-        if entry.get("chat"):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        prompt_ids = tokenizer.encode(text)
+        # A chat prompt is tokenized as the server tokenizes one: its text stays text, whatever it contains.
+        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}]) if entry.get("chat") else \
+            tokenizer.encode(text)
     else:
         ids = entry["prompt_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

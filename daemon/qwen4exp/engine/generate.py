@@ -19,8 +19,8 @@ def generate(model: Qwen4ExpForCausalLM, prompt_ids: list[int], max_tokens: int,
     if chunk is None:
         ratio = model.config.indexer_compress_ratio
         chunk = max(-(-len(prompt_ids) // ratio) * ratio, ratio)
-    context = -(-(len(prompt_ids) + max(max_tokens, 0)) // chunk) * chunk
-    engine = Engine.from_config(model, EngineConfig(slots=1, max_ctx=max(context, chunk), chunk=chunk))
+    context = max(len(prompt_ids) + max(max_tokens, 0), chunk)    # the state this request needs, no more
+    engine = Engine.from_config(model, EngineConfig(slots=1, max_ctx=context, chunk=chunk))
     request = engine.submit(Request(prompt_ids=list(prompt_ids), max_tokens=max_tokens,
                                     sampling=sampling or SamplingParams(), stop_token_ids=tuple(stop_ids)))
     engine.run_until_idle()

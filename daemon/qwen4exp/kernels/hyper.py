@@ -105,7 +105,7 @@ if triton is not None:
         """mixed[t, h] = mean_j sigmoid(act[t] . up[j*H + h]) * normed[t, j*H + h] for a [BLOCK_T, BLOCK_H]
         tile, act = silu(down / HC) (given as low with ACT_READY, else computed here from the down projection
         in low). With SPLIT_STREAMS, program_id(2) is one stream j, whose rounded term goes to parts[j] for
-        triton_round.add_parts to add (the same float32 sum in the same order). The first feature block also
+        rounding.add_parts to add (the same float32 sum in the same order). The first feature block also
         writes gates = 2 sigmoid(inject / HC)."""
         block_t = tl.program_id(0)
         block_h = tl.program_id(1)

@@ -7,7 +7,7 @@ dozen kernels per layer on the gathered tokens in decode. Here:
 
 * `rank_blocks`: every (query, block) pair's indexer score, sum over heads of relu(q_h . k_b) / sqrt(dim),
   written straight into the int64 keys that torch.topk ranks (score bits high, reversed block index low,
-  so ties go to the earlier block as in the stable sort of `Indexer.select`; -1 for blocks the query does
+  so ties go to the earlier block as in the stable sort of `Indexer.select_mask`; -1 for blocks the query does
   not see yet). One pass, no [rows, blocks, heads] float32 work space; blocks past every row's visible
   count are not read, so decode pays for the sequences' lengths, not the engine's capacity.
 * `sparse_attention`: each query row (and its K/V head's group of query heads) reads only the tokens of

@@ -1,8 +1,8 @@
 """Each QSA query's token list straight from its ranking keys: one Triton program per query.
 
-`qsa_kernels.rank_blocks` writes a key per (query, block): the score's float32 bits in the high word, the
+`qsa_attention.rank_blocks` writes a key per (query, block): the score's float32 bits in the high word, the
 reversed block index in the low word, -1 for blocks the query does not see. The list is the tokens of the
-top `k` keys (best scores, ties to the earlier block: `Indexer.select`'s stable sort) in block order, then
+top `k` keys (best scores, ties to the earlier block: `Indexer.select_mask`'s stable sort) in block order, then
 the incomplete tail block. torch.topk took those keys (a radix select that spends 2 bits per pass on 64-bit
 keys, over the engine's whole capacity), a sort put them back in block order and six more ops expanded them
 to tokens: in a decode step on the H200, ~60 us per QSA layer at an 8192-token capacity and more as it

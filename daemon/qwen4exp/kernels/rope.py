@@ -1,7 +1,7 @@
 """Rotary position embedding as one Triton kernel (CUDA and ROCm) for bfloat16/float16 tensors.
 
-The torch form (rope.py) is six kernels per call (a negation, two concatenations, two products and a sum); a
-decode step calls it eight times on the bench preset, for a few rows each, so it was 48 launches of a few
+The torch form (engine/model/rope.py) is six kernels per call (a negation, two concatenations, two products and a
+sum); a decode step calls it eight times on the bench preset, for a few rows each, so it was 48 launches of a few
 microseconds. The kernel does each row in one pass and rounds where torch's ops round (each product, then
 the sum), so its output equals the torch form's bit for bit.
 """

@@ -5,8 +5,10 @@ Two phases share every layer's one forward:
 - a decode step: one new token for each of the N rows of a StateBatch, at fixed shapes (a CUDA graph replays
   it); rows not `active` compute but keep their state.
 Both states have the same layout (`layers[i]`, `ple[i]`, `extra`), the first with a leading row dimension in
-decode, so a layer reads its state as `step.state.layers[i]` in either phase and only the ops calls that truly
-differ (conv, the delta rule, the n-gram context, QSA selection and attention) ask which phase runs.
+decode, so a layer reads its state as `step.state.layers[i]` in either phase. What truly differs by phase (conv,
+the delta rule, the n-gram context, QSA selection and attention, the experts) is an ops call that asks
+`step.decode`; the only layer code that asks is where a step writes its keys into the state (by slice in a
+chunk, by row and position in decode).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class Step:
     def __post_init__(self):
         if self.decode:
             self.cos, self.sin = self.cos_table[self.positions], self.sin_table[self.positions]
+            if self.flags is None:
+                self.flags = self.active.to(torch.uint8)
         else:
             end = self.start + self.token_ids.numel()
             self.cos, self.sin = self.cos_table[self.start:end], self.sin_table[self.start:end]
@@ -62,4 +66,4 @@ class Step:
     @classmethod
     def rows(cls, ops, token_ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor, states: StateBatch,
              rope: tuple[torch.Tensor, torch.Tensor]) -> "Step":
-        return cls(ops, token_ids, positions, states, rope[0], rope[1], active=active, flags=active.to(torch.uint8))
+        return cls(ops, token_ids, positions, states, rope[0], rope[1], active=active)

@@ -97,7 +97,15 @@ def training_forward(model: Qwen4ExpForCausalLM, input_ids: torch.Tensor, mtp: b
     if aux:
         out.indexer_loss = _mean([indexer_loss(m, x, step.start, step.cos_table, step.sin_table, state)
                                   for m, x, step, state in qsa_calls], device)
-        out.balance_loss = _mean([balance_loss(m, x, chosen) for m, x, chosen in router_calls], device)
+        # One loss per MoE layer over the whole batch (each sequence runs its own step, so a router is called
+        # once per sequence): the routed shares and mean probabilities are the batch's, not a mean of each row's.
+        batch_calls: dict[Router, tuple[list, list]] = {}
+        for m, x, chosen in router_calls:
+            inputs, choices = batch_calls.setdefault(m, ([], []))
+            inputs.append(x)
+            choices.append(chosen)
+        out.balance_loss = _mean([balance_loss(m, torch.cat(xs), torch.cat(chosen))
+                                  for m, (xs, chosen) in batch_calls.items()], device)
     return out
 
 
@@ -144,7 +152,7 @@ def indexer_loss(attn: QSAAttention, x: torch.Tensor, start: int, cos_all: torch
 
     The target comes from the layer's own q/k (detached, dense causal attention, averaged over heads), summed
     over each complete key block that the query sees; the indexer's scores are recomputed from the detached
-    input the way `Indexer.select` does, so gradients reach only the indexer."""
+    input the way `Indexer.select_mask` does, so gradients reach only the indexer."""
     idx = attn.indexer
     n, end = x.shape[0], start + x.shape[0]
     ratio, topk = idx.ratio, idx.block_topk

@@ -1,9 +1,10 @@
 """The Triton backend: the kernels of daemon/qwen4exp/kernels for bfloat16/float16 models on CUDA/ROCm devices.
 
-Chosen by ops.ops_for when guard.serves the model's device and dtype. Each override keeps its torch form's
-contract and rounding points (the kernels' tests hold them to it) and falls back to the torch form for shapes
-its kernel does not take; which form runs depends on the shapes alone, never on the data, so every step of an
-engine sums alike.
+Chosen by backend.ops_for when guard.serves the model's device and dtype. Each override keeps its torch form's
+contract and rounding points (the kernels' tests hold them to it). Where a kernel takes only some shapes (rope,
+the mix, the router, row products, QSA), the override falls back to the torch form for the others; the other
+kernels refuse a shape they cannot take with an error. Which form runs depends on the shapes alone, never on
+the data, so every step of an engine sums alike.
 """
 
 from __future__ import annotations

@@ -1,0 +1,35 @@
+"""Which ops backend a model runs (engine/model/backend.py): the kernels only where guard.serves the weights' device
+and dtype, chosen when the model is built and again whenever it is moved or cast."""
+
+from __future__ import annotations
+
+import torch
+
+from qwen4exp.checkpoint.presets import preset_config
+from qwen4exp.engine.model.causal_lm import Qwen4ExpForCausalLM
+from qwen4exp.engine.model.config import ModelConfig
+from qwen4exp.engine.model.ops import TORCH_OPS
+from qwen4exp.engine.model.triton_ops import TRITON_OPS
+from qwen4exp.kernels import guard
+
+
+def test_the_kernels_serve_16_bit_models_on_gpus_only():
+    gpu = torch.device("cuda")
+    assert guard.serves(gpu, torch.bfloat16) == (guard.triton is not None)
+    assert guard.serves(gpu, torch.float16) == (guard.triton is not None)
+    assert not guard.serves(gpu, torch.float32)                   # the reference setup keeps the torch forms
+    assert not guard.serves(torch.device("cpu"), torch.bfloat16)
+
+
+def test_the_backend_follows_the_model_when_it_is_cast_or_moved(monkeypatch):
+    config = ModelConfig.from_dict(preset_config("tiny", dtype="float32"))
+    monkeypatch.setattr(guard, "serves", lambda device, dtype: dtype == torch.bfloat16)   # stands in for a GPU
+    model = Qwen4ExpForCausalLM(config)
+    assert model.ops is TORCH_OPS
+    assert model.to(torch.bfloat16).ops is TRITON_OPS
+    assert model.float().ops is TORCH_OPS
+    monkeypatch.setattr(guard, "serves", lambda device, dtype: device.type == "meta")
+    with torch.device("meta"):
+        built = Qwen4ExpForCausalLM(config)
+    assert built.ops is TRITON_OPS                                 # chosen when the model is built
+    assert built.to_empty(device="cpu").ops is TORCH_OPS           # and again where a load puts it
