@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ...kernels import conv as conv_kernels
 from ...kernels import delta_rule as delta_rule_kernels
 from ...kernels import gated_norm, hyper, moe, qsa_attention, qsa_select, rope, router, row_products
-from . import conv, delta_rule
+from . import conv, delta_rule, qsa
 from .ops import TorchOps
 
 
@@ -91,7 +91,6 @@ class TritonOps(TorchOps):
     def _chunk_token_lists(indexer, index_q: torch.Tensor, start: int, state) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query's tokens as a list (index, valid [n, S], S = budget + ratio): the same tokens as
         Indexer.select_mask, in ascending order; a query's list does not depend on the chunk it comes in."""
-        from .qsa import QUERY_SLICE, SCORE_BUDGET_BYTES, query_slices, token_lists
         n, device = index_q.shape[0], index_q.device
         end = start + n
         positions = torch.arange(start, end, device=device)
@@ -100,13 +99,15 @@ class TritonOps(TorchOps):
         if end <= indexer.block_topk * indexer.ratio + indexer.ratio - 1:
             # Dense: every query sees fewer than block_topk complete blocks, so ranking would keep them all.
             chosen = torch.arange(indexer.block_topk, device=device).expand(n, -1)
-            return token_lists(chosen, complete, positions, indexer.ratio, capacity)
+            return qsa.token_lists(chosen, complete, positions, indexer.ratio, capacity)
         blocks = state.block_keys[:end // indexer.ratio]
         width = (indexer.block_topk + 1) * indexer.ratio
         index = torch.empty(n, width, dtype=torch.int32, device=device)
         valid = torch.empty(n, width, dtype=torch.bool, device=device)
-        # The ranking keys ([rows, n_blocks] int64) are the work space that grows with the prefix.
-        for first, last in query_slices(n, max(QUERY_SLICE, SCORE_BUDGET_BYTES // (16 * blocks.shape[0]))):
+        # The ranking keys ([rows, n_blocks] int64) are the work space that grows with the prefix (slices read
+        # from qsa at each call: the same bounds as the torch selection's).
+        slice_rows = max(qsa.QUERY_SLICE, qsa.SCORE_BUDGET_BYTES // (16 * blocks.shape[0]))
+        for first, last in qsa.query_slices(n, slice_rows):
             keys = qsa_attention.rank_blocks(index_q[first:last], blocks, complete[first:last])
             qsa_select.token_lists(keys, complete[first:last], positions[first:last], indexer.block_topk,
                                    indexer.ratio, capacity, out=(index[first:last], valid[first:last]))
