@@ -2,8 +2,8 @@
 
 `TorchOps` is the torch form of each op: CPU models, float32 models (the reference setup) and training. It is the
 reference every kernel is tested against. `TritonOps` (triton_ops.py) overrides the ops its kernels serve, for
-bfloat16/float16 models on CUDA/ROCm devices; each override falls back to the torch form for shapes its kernel
-does not take. A layer never asks which backend runs: it calls `step.ops`.
+bfloat16/float16 models on CUDA/ROCm devices (triton_ops.py says which overrides fall back to the torch form for
+shapes their kernel does not take). A layer never asks which backend runs: it calls `step.ops`.
 
 Two kinds of op:
 - row-wise (`linear`, the norms, `rotate`, the hyper-connection's `update_and_norm` and `mix_streams`, `route`,
@@ -27,7 +27,7 @@ class TorchOps:
 
     # ---- row-wise --------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, weight: torch.Tensor, step) -> torch.Tensor:
-        """x @ weight.T: every projection of the model, so a weight format is a backend matter."""
+        """x @ weight.T: the projections a layer makes (docs/ARCHITECTURE.md lists the weights read otherwise)."""
         return F.linear(x, weight)
 
     def rms_norm(self, x: torch.Tensor, norm) -> torch.Tensor:

@@ -44,8 +44,7 @@ class Step:
             if self.flags is None:
                 self.flags = self.active.to(torch.uint8)
         else:
-            end = self.start + self.token_ids.numel()
-            self.cos, self.sin = self.cos_table[self.start:end], self.sin_table[self.start:end]
+            self.cos, self.sin = self.cos_table[self.start:self.end], self.sin_table[self.start:self.end]
 
     @property
     def decode(self) -> bool:
