@@ -14,21 +14,22 @@ from qwen4exp.kernels import guard
 
 
 def test_the_kernels_serve_16_bit_models_on_gpus_only():
-    gpu = torch.device("cuda")
-    assert guard.serves(gpu, torch.bfloat16) == (guard.triton is not None)
-    assert guard.serves(gpu, torch.float16) == (guard.triton is not None)
-    assert not guard.serves(gpu, torch.float32)                   # the reference setup keeps the torch forms
+    gpu = torch.device("meta")                                     # stands for the H200 under compiling_for
+    with guard.compiling_for(guard.CHECKED_TARGETS["sm_90"]):
+        assert guard.serves(gpu, torch.bfloat16) == (guard.triton is not None)
+        assert guard.serves(gpu, torch.float16) == (guard.triton is not None)
+        assert not guard.serves(gpu, torch.float32)               # the reference setup keeps the torch forms
     assert not guard.serves(torch.device("cpu"), torch.bfloat16)
 
 
 def test_the_backend_follows_the_model_when_it_is_cast_or_moved(monkeypatch):
     config = ModelConfig.from_dict(preset_config("tiny", dtype="float32"))
-    monkeypatch.setattr(guard, "serves", lambda device, dtype: dtype == torch.bfloat16)   # stands in for a GPU
+    monkeypatch.setattr(guard, "why_not", lambda device, dtype: None if dtype == torch.bfloat16 else "f32")  # a GPU
     model = Qwen4ExpForCausalLM(config)
     assert model.ops is TORCH_OPS
     assert model.to(torch.bfloat16).ops is TRITON_OPS
     assert model.float().ops is TORCH_OPS
-    monkeypatch.setattr(guard, "serves", lambda device, dtype: device.type == "meta")
+    monkeypatch.setattr(guard, "why_not", lambda device, dtype: None if device.type == "meta" else "cpu")
     with torch.device("meta"):
         built = Qwen4ExpForCausalLM(config)
     assert built.ops is TRITON_OPS                                 # chosen when the model is built

@@ -298,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .plan_cli import add_parser as add_plan_parser
     add_plan_parser(sub)
+    from .kernels_cli import add_parser as add_kernels_parser
+    add_kernels_parser(sub)
 
     svc = sub.add_parser("install-service", help="install the systemd unit (Type=notify) for this installation")
     svc.add_argument("--user", default="qwen4exp", help="the system user the service runs as (created if missing)")

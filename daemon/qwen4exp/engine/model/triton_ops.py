@@ -9,6 +9,9 @@ the data, so every step of an engine sums alike.
 
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 import torch.nn.functional as F
 
@@ -115,3 +118,13 @@ class TritonOps(TorchOps):
 
 
 TRITON_OPS = TritonOps()
+
+
+@functools.cache
+def with_torch_forms(ops: frozenset[str]) -> TritonOps:
+    """The Triton backend with the torch form of each of `ops` (those whose kernels do not build for a GPU:
+    guard.NOT_BUILT). The torch forms still call the other ops through this backend."""
+    backend = TritonOps()
+    for op in ops:
+        setattr(backend, op, types.MethodType(getattr(TorchOps, op), backend))
+    return backend

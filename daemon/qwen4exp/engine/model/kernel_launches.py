@@ -1,0 +1,71 @@
+"""Every kernel launch the engine makes for a model config on a GPU target, recorded without the GPU.
+
+The model is built on the meta device (no memory) under guard.compiling_for(target): it picks the Triton ops,
+and every choice a kernel makes from its device's limits (pipeline stages) reads the target's. Then it runs the
+shapes the engine runs: prompt chunks (whole chunks of 512-4096 tokens, a prompt's last chunk of any length;
+at the start of a prompt, where QSA is still dense, and past the indexer's dense reach) and decode steps of
+1-8 rows; ahead_of_time.build compiles what was recorded. tests/test_kernel_builds.py runs this for the
+bench and full presets and each of guard.CHECKED_TARGETS; `qwen4exp kernels` prints it for one target.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ...kernels import ahead_of_time, guard
+from ..state import SequenceState, StateBatch
+from .causal_lm import Qwen4ExpForCausalLM
+from .config import ModelConfig
+from .ops import TorchOps
+from .triton_ops import TritonOps
+
+CHUNKS = (1, 37, 512, 1024, 2048, 4096)   # a prompt's last chunk may have any length; whole chunks 512-4096
+DECODE_ROWS = range(1, 9)
+CAPACITY = 65536                           # a multiple of the planner's granule, as fitted contexts are
+DTYPE = torch.bfloat16
+
+
+class OwnKernels(TritonOps):
+    """The Triton backend without fla's chunked delta rule (fla's kernels are fla's to build for each GPU): a
+    prompt chunk's delta rule in its torch form, as on an install without fla."""
+
+    def delta_rule(self, q, k, v, a, b, a_log, dt_bias, recurrent, step):
+        form = TritonOps if step.decode else TorchOps
+        return form.delta_rule(self, q, k, v, a, b, a_log, dt_bias, recurrent, step)
+
+
+def _op_in_flight() -> str:
+    """The ops-backend method that launches the kernel being recorded (the innermost on the stack)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), TritonOps) and not frame.f_code.co_name.startswith("_"):
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return "model"
+
+
+def record(config: ModelConfig, target: guard.Target, chunks=CHUNKS, decode_rows=DECODE_ROWS,
+           device: torch.device | None = None) -> list[ahead_of_time.Launch]:
+    """The distinct kernel launches of prefill and decode for `config` on `target` (guard.NOT_BUILT's ops
+    included: they are what is left out there, and why). With a GPU `device` (of `target`), the kernels also run
+    there, and each launch keeps the hash of the binary Triton's launcher compiled for it."""
+    device = device or torch.device("meta")
+    with guard.compiling_for(target), ahead_of_time.recording(_op_in_flight, launch=device.type != "meta") as launches:
+        with device:
+            model = Qwen4ExpForCausalLM(config).to(DTYPE)
+        model.ops = OwnKernels()   # every kernel of ours, also those NOT_BUILT leaves out on this target
+        # QSA attends densely while a query sees no more than the indexer's budget; a chunk on the engine's
+        # grid (multiples of the largest chunk) past that point ranks the blocks.
+        for start in (0, (config.dense_limit // max(chunks) + 1) * max(chunks)):
+            for chunk in chunks:
+                state = SequenceState(config, CAPACITY, device, DTYPE)
+                state.length = start
+                model(torch.zeros(chunk, dtype=torch.long, device=device), state)
+        rope = model.rope_table(CAPACITY, device)
+        for rows in decode_rows:
+            states = StateBatch(config, rows, CAPACITY, device, DTYPE)
+            ids = torch.zeros(rows, dtype=torch.long, device=device)
+            model.decode_rows(ids, ids, torch.ones(rows, dtype=torch.bool, device=device), states, rope)
+    return ahead_of_time.distinct(launches)

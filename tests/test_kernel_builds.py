@@ -1,0 +1,145 @@
+"""Every Triton kernel, at the shapes the engine launches for the bench and full presets (prompt chunks of 1-4096
+tokens, dense and ranked QSA, decode steps of 1-8 rows; bfloat16), compiled on the CPU for each GPU of
+guard.CHECKED_TARGETS: the H200's sm_90, sm_80, the R9700's gfx1201 and the Strix Halo's gfx1151. A kernel
+that does not build, or asks a block for more shared memory (LDS) than the target gives, is what an operator
+would meet as a crash at the first request; here it fails unless its op is in guard.NOT_BUILT for that target,
+where the engine runs the op's torch form instead."""
+
+from __future__ import annotations
+
+import functools
+import json
+import importlib
+import pkgutil
+
+import pytest
+import torch
+
+from qwen4exp import kernels
+from qwen4exp.checkpoint.presets import preset_config
+from qwen4exp.engine.model import backend, kernel_launches
+from qwen4exp.engine.model.config import ModelConfig
+from qwen4exp.engine.model.ops import TORCH_OPS, TorchOps
+from qwen4exp.engine.model.triton_ops import TRITON_OPS, TritonOps
+from qwen4exp.kernels import ahead_of_time, guard
+
+triton = pytest.importorskip("triton")
+
+TARGETS = sorted(guard.CHECKED_TARGETS)
+META = torch.device("meta")
+
+
+@functools.cache
+def recorded(preset: str, target: str) -> tuple[ahead_of_time.Launch, ...]:
+    config = ModelConfig.from_dict(preset_config(preset, dtype="bfloat16"))
+    return tuple(kernel_launches.record(config, guard.CHECKED_TARGETS[target]))
+
+
+def engine_launches(target: str) -> list[ahead_of_time.Launch]:
+    return ahead_of_time.distinct(recorded("bench", target) + recorded("full", target))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_kernel_builds_for_each_checked_gpu(target):
+    builds = [ahead_of_time.build(launch, guard.CHECKED_TARGETS[target]) for launch in engine_launches(target)]
+    failed = [build for build in builds if build.error]
+    report = "\n".join(f"{build.launch.describe()}: {build.error}" for build in failed)
+    expected = guard.NOT_BUILT.get(target, {})
+    assert {build.launch.op for build in failed} == set(expected), \
+        f"kernels that do not build for {target} (guard.NOT_BUILT lists {sorted(expected)}):\n{report}"
+    assert all(build.shared is not None for build in builds if build.launch.op not in expected)
+
+
+def package_kernels() -> set[str]:
+    """The launchable kernels (named *_kernel; the other jitted functions are called from kernels)."""
+    names = set()
+    for module in pkgutil.iter_modules(kernels.__path__):
+        for name, value in vars(importlib.import_module(f"qwen4exp.kernels.{module.name}")).items():
+            if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
+                names.add(name)
+    return names
+
+
+def test_the_recorded_launches_reach_every_kernel_of_the_package():
+    launched = {launch.name for launch in engine_launches("sm_90")}
+    assert package_kernels() - launched == set()
+    ops = {launch.op for launch in engine_launches("sm_90")}
+    assert ops <= {name for name in vars(TritonOps) if not name.startswith("_")}, ops
+
+
+def stages(target: str, kernel: str) -> set[int]:
+    return {launch.options["num_stages"] for launch in engine_launches(target) if launch.name == kernel}
+
+
+def test_amd_gpus_pipeline_within_their_64_kib_of_lds():
+    # Tuned on the H200 at 4 stages; AMD's pipeliner keeps 3 copies of a 24 KiB step there (72 KiB): 3 stages fit.
+    for kernel in ("_rows_kernel", "_grouped_gate_up_kernel", "_grouped_down_kernel"):
+        assert stages("sm_90", kernel) == {4}
+        assert stages("gfx1201", kernel) == stages("gfx1151", kernel) == {3}, kernel
+
+
+def test_an_op_whose_kernels_do_not_build_runs_its_torch_form_on_that_gpu(monkeypatch, caplog):
+    monkeypatch.setitem(guard.NOT_BUILT, "gfx1151", {"experts": "a made-up reason"})
+    weight = torch.empty(4, 4, dtype=torch.bfloat16, device=META)
+    with guard.compiling_for(guard.CHECKED_TARGETS["gfx1151"]):
+        ops = backend.ops_for(weight)
+    assert ops.experts.__func__ is TorchOps.experts
+    assert ops.linear.__func__ is TritonOps.linear and ops.qsa_attention.__func__ is TritonOps.qsa_attention
+    assert "experts runs its torch form on gfx1151" in caplog.text and "a made-up reason" in caplog.text
+    with guard.compiling_for(guard.CHECKED_TARGETS["gfx1201"]):
+        assert backend.ops_for(weight) is TRITON_OPS
+
+
+@pytest.mark.parametrize("target, dtype, served", [
+    (guard.Target("sm_120", "cuda", 120, 32, 101376), torch.bfloat16, True),     # newer NVIDIA GPUs: sm_80 on
+    (guard.Target("sm_75", "cuda", 75, 32, 65536), torch.float16, False),        # no bfloat16 tensor cores
+    (guard.Target("gfx942", "hip", "gfx942", 64, 65536), torch.bfloat16, False),  # never compiled for it
+    (guard.CHECKED_TARGETS["gfx1151"], torch.bfloat16, True),
+    (guard.CHECKED_TARGETS["gfx1201"], torch.float32, False),
+])
+def test_the_kernels_serve_the_gpus_they_are_checked_for(target, dtype, served):
+    with guard.compiling_for(target):
+        assert guard.serves(META, dtype) == served
+        why = guard.why_not(META, dtype)
+        weight = torch.empty(2, 2, dtype=dtype, device=META)
+        assert (backend.ops_for(weight) is TRITON_OPS) == served
+    if target.name == "gfx942":
+        assert "gfx1201" in why and "gfx942" in why
+    if target.name == "sm_75":
+        assert "sm_80" in why
+    assert guard.why_not(torch.device("cpu"), torch.bfloat16) is not None
+    assert backend.ops_for(torch.empty(1, dtype=dtype)) is TORCH_OPS
+
+
+@pytest.mark.gpu
+def test_the_recorded_launches_are_the_ones_the_gpu_runs_and_compile_to_its_binaries():
+    """On a GPU: the launches recorded on the meta device are the launches the model makes there, and each
+    compiled ahead of time is the binary Triton's launcher built (same specialization, same cache key)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    gpu = torch.device("cuda", 0)
+    target = guard.target_of(gpu)
+    config = ModelConfig.from_dict(preset_config("tiny", dtype="bfloat16"))
+    shapes = dict(chunks=(37, 512), decode_rows=(1, 3))
+    real = kernel_launches.record(config, target, device=gpu, **shapes)
+    meta = kernel_launches.record(config, target, **shapes)
+    assert len(real) > 10
+    assert {launch.key() for launch in real} == {launch.key() for launch in meta}
+    for launch in real:
+        assert ahead_of_time.build(launch, target).hash == launch.launched_hash, launch.describe()
+
+
+def test_the_kernels_command_reports_each_build_for_a_target(capsys):
+    from qwen4exp.cli import main
+
+    assert main(["kernels", "--model", "bench", "--target", "gfx1201", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["failed"] == 0 and len(report["builds"]) == len(recorded("bench", "gfx1201"))
+    assert {row["target"] for row in report["builds"]} == {"gfx1201"}
+    assert all(0 <= row["shared_bytes"] <= 65536 and row["error"] is None for row in report["builds"])
+    with pytest.raises(SystemExit, match="choose one of sm_90, sm_80, gfx1201, gfx1151"):
+        main(["kernels", "--model", "bench", "--target", "gfx90a"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA or ROCm GPU"):
+            main(["kernels", "--target", "here"])
