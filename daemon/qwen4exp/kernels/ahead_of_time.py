@@ -8,9 +8,9 @@ checks the limit Triton leaves to the first launch: the shared memory (LDS) a bl
 
 The specialization follows Triton's launcher: a pointer 16-byte aligned and an integer that is a multiple of 16
 are marked divisible by 16 (the others listed with no attribute), an integer equal to 1 becomes a constant, None
-a constexpr, bools and floats are not specialized. On the GPU, each launch
-compiled here has the cache key of the binary the launcher built (tests/test_kernel_builds.py), so compiling on
-the GPU itself fills Triton's cache for the engine.
+a constexpr; bools and floats are not specialized. On the GPU, each launch compiled here has the cache key of
+the binary the launcher built (tests/test_kernel_builds.py), so compiling on the GPU itself fills Triton's cache
+for the engine.
 """
 
 from __future__ import annotations
