@@ -15,14 +15,13 @@ import time
 
 def _model_config(name: str):
     from .checkpoint.presets import PRESET_NAMES, preset_config
-    from .checkpoint.loader import read_config
+    from .engine.loading import model_config
     from .engine.model.config import ModelConfig
     from .model_dir import resolve_model
 
     if name in PRESET_NAMES and name != "tiny":
         return ModelConfig.from_dict(preset_config(name, dtype="bfloat16"), source=f"preset {name!r}")
-    path = resolve_model(name)
-    return ModelConfig.from_dict(read_config(str(path)), source=f"{path}/config.json")
+    return model_config(str(resolve_model(name)))
 
 
 def _targets(name: str | None):
@@ -80,7 +79,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     kern = sub.add_parser("kernels", help="compile every Triton kernel the engine launches, for this GPU (warms "
                           "Triton's cache) or for the checked targets (no GPU needed)")
-    kern.add_argument("--model", default="full", help="a checkpoint directory or a preset (bench, full; "
+    kern.add_argument("--model", default="full", help="a checkpoint directory, a GGUF file or a preset (bench, full; "
                       "default: full): the shapes to compile for")
     kern.add_argument("--target", default=None, help="sm_90, sm_80, gfx1201, gfx1151, all, or here (default: here "
                       "on a GPU machine, else all)")

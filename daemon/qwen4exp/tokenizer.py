@@ -51,7 +51,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 class Tokenizer:
-    """A checkpoint directory's tokenizer. Build with `Tokenizer.from_dir(path)`."""
+    """A checkpoint's tokenizer. Build with `Tokenizer.from_path(path)` (a directory or a GGUF file)."""
 
     def __init__(self, hf: HFTokenizer, chat_template: str | None, eos_token_ids: list[int], vocab_size: int,
                  source: Path):
@@ -74,6 +74,20 @@ class Tokenizer:
             except TemplateError as exc:
                 raise TokenizerError(f"{source}: the chat template does not parse: {exc}") from exc
         self._token_bytes = self._byte_table()
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "Tokenizer":
+        """The tokenizer of a checkpoint directory, or of a GGUF file: the tokenizer.json beside it when there
+        is one, else the GGUF's own tokenizer metadata."""
+        from .checkpoint.gguf_file import GGUFCheckpoint, is_gguf, tokenizer_from
+
+        path = Path(path)
+        if not is_gguf(path):
+            return cls.from_dir(path)
+        if (path.parent / "tokenizer.json").is_file():
+            return cls.from_dir(path.parent)
+        hf, template, eos = tokenizer_from(GGUFCheckpoint(path))
+        return cls(hf, template, [eos], hf.get_vocab_size(with_added_tokens=True), path)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":

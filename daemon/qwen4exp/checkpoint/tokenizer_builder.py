@@ -75,14 +75,20 @@ def build_tokenizer(text_config: dict[str, Any]) -> Tokenizer:
         raise ValueError(f"{len(vocab)} learned tokens collide with the special tokens at {specials}")
     vocab = dict(vocab)
     vocab.update(specials)
+    return byte_level_bpe(vocab, merges, {tok: (i, True) for tok, i in specials.items()})
+
+
+def byte_level_bpe(vocab: dict[str, int], merges: list, added: dict[str, tuple[int, bool]]) -> Tokenizer:
+    """A byte-level BPE tokenizer with the Qwen split rule and NFC: `vocab` {token: id}, `merges` (pairs or
+    "a b" strings), `added` {token: (id, special)} matched whole before the BPE."""
     spec = {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": [
             {"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": True}
-            for tok, i in sorted(specials.items(), key=lambda kv: kv[1])
+             "normalized": False, "special": special}
+            for tok, (i, special) in sorted(added.items(), key=lambda kv: kv[1][0])
         ],
         "normalizer": json.loads(normalizers.NFC().__getstate__()),
         "pre_tokenizer": json.loads(_pre_tokenizer().__getstate__()),

@@ -33,17 +33,27 @@ def check_profile(profile: str | Path | None = None, *, overrides: Mapping[str, 
 
 
 def _check_model(settings: Settings, source: str) -> None:
-    """The checkpoint's config and weight files, read from headers and the index only (no tensor data)."""
+    """The checkpoint's config and weight files (or the GGUF's metadata and tensor types), read from headers and
+    the index only (no tensor data)."""
     if settings.model == "tiny":
         return                                  # written on first use; nothing to find
     from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.gguf_file import GGUFCheckpoint, is_gguf
     from ..checkpoint.loader import checkpoint_files, read_config
 
     path = Path(settings.model)
+    if is_gguf(path):
+        try:
+            checkpoint = GGUFCheckpoint(path)
+            checkpoint.model_config()
+            checkpoint.check_types()
+        except (CheckpointError, ValueError) as err:
+            raise ConfigError(f"{source}: model = {str(path)!r} is not a usable GGUF: {err}") from None
+        return
     if not path.is_dir():
         what = "no such directory" if not path.exists() else "not a directory"
         raise ConfigError(f"{source}: model = {str(path)!r}: {what}; point it at a checkpoint directory "
-                          f"(config.json + safetensors + tokenizer) or write 'tiny'")
+                          f"(config.json + safetensors + tokenizer), a .gguf file, or write 'tiny'")
     try:
         read_config(path)
         checkpoint_files(path)

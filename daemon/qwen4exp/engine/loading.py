@@ -1,4 +1,4 @@
-"""Build our model for a checkpoint directory: config, tensors in place on the target device."""
+"""Build our model for a checkpoint directory or a GGUF file: config, tensors in place on the target device."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from ..checkpoint.gguf_file import GGUFCheckpoint, is_gguf
+from ..checkpoint.gguf_loader import load_gguf_weights
 from ..checkpoint.loader import load_weights, read_config
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
@@ -37,12 +39,25 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Q
     return model.eval()
 
 
+def model_config(path: str) -> ModelConfig:
+    """The model config of a checkpoint directory (its config.json) or of a GGUF file (its metadata)."""
+    if is_gguf(path):
+        return GGUFCheckpoint(path).model_config()
+    return ModelConfig.from_dict(read_config(path), source=f"{path}/config.json")
+
+
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
                progress: bool = True) -> Qwen4ExpForCausalLM:
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     device = device if isinstance(device, torch.device) else resolve_device(device)
-    raw = read_config(path)
-    cfg = ModelConfig.from_dict(raw, source=f"{path}/config.json")
+    if is_gguf(path):
+        checkpoint = GGUFCheckpoint(path)
+        cfg = checkpoint.model_config()
+        model = build_model(cfg, dtype, device)
+        report = load_gguf_weights(checkpoint, model, cfg)
+        log.info("loaded %s: %s", path, report)
+        return model
+    cfg = model_config(path)
     model = build_model(cfg, dtype, device)
     report = load_weights(path, model, dtype=dtype, device=device, progress=progress)
     log.info("loaded %s: %s", path, report)

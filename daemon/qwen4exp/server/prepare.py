@@ -51,7 +51,7 @@ _DEFAULT_MAX_TOKENS = 256
 def _start(model_dir: str, default_max_tokens: int) -> None:
     global _TOKENIZER, _DEFAULT_MAX_TOKENS
     from ..tokenizer import Tokenizer
-    _TOKENIZER, _DEFAULT_MAX_TOKENS = Tokenizer.from_dir(model_dir), default_max_tokens
+    _TOKENIZER, _DEFAULT_MAX_TOKENS = Tokenizer.from_path(model_dir), default_max_tokens
 
 
 def prepare_body(endpoint: str, raw: bytes, context: int | None) -> Prepared:

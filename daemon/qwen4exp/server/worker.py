@@ -49,7 +49,7 @@ class Worker:
         self.fitted_context = context
         if self.cache is None:
             self.cache = config.new_prefix_cache(model, device)
-        self.engine = Engine.from_config(model, config, context=context, tokenizer=Tokenizer.from_dir(config.model),
+        self.engine = Engine.from_config(model, config, context=context, tokenizer=Tokenizer.from_path(config.model),
                                          prefix_cache=self.cache)
         self.engine.start()
         return {"context": context, "plan": self.plan, "context_fitted_now": fitted_now,

@@ -16,6 +16,16 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class PLEHash:
+    """PLE hash constants a checkpoint gives instead of the ones derived from the seed (a GGUF stores the
+    constants, not the seed and vocabulary base they came from), and the table's row count."""
+    layer_multipliers: tuple[int, ...]
+    head_vocab_sizes: tuple[int, ...]
+    head_offsets: tuple[int, ...]
+    table_rows: int
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -56,6 +66,7 @@ class ModelConfig:
     gdn_gate_activation: str
     mtp_num_hidden_layers: int
     layer_types: tuple[str, ...] = field(default=())
+    ple_hash: PLEHash | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -155,6 +166,7 @@ class ModelConfig:
             gdn_gate_activation=str(text.get("output_gate_type") or text.get("hidden_act") or "silu"),
             mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
             layer_types=tuple(_LAYER_ALIASES[t] for t in raw_types),
+            ple_hash=_ple_hash(text.get("ple_hash"), source),
         )
         cfg._validate(source)
         return cfg
@@ -185,3 +197,14 @@ class ModelConfig:
                 raise bad("ple_layer_ids", f"entry {layer_id} must name a linear_attention layer (one-indexed)")
         if self.ple_layer_ids and self.ple_embed_dim % self.ngram_heads:
             raise bad("ple_embed_dim", f"({self.ple_embed_dim}) must divide by the n-gram heads ({self.ngram_heads})")
+
+
+def _ple_hash(raw: dict | None, source: str) -> PLEHash | None:
+    if raw is None:
+        return None
+    try:
+        return PLEHash(tuple(int(v) for v in raw["layer_multipliers"]), tuple(int(v) for v in raw["head_vocab_sizes"]),
+                       tuple(int(v) for v in raw["head_offsets"]), int(raw["table_rows"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError(f"{source}: ple_hash needs layer_multipliers, head_vocab_sizes, head_offsets and "
+                          f"table_rows ({err})") from None

@@ -25,16 +25,22 @@ class NGramEmbedding(nn.Module):
         self.ngram_size = cfg.ngram_size
         self.heads_per_ngram = cfg.heads_per_ngram
         self.eos = cfg.eos_token_id
-        sizes = ngram_hash.head_vocab_sizes(cfg.ngram_vocab_size_base, cfg.ngram_heads, ple_layer_index)
-        multipliers = ngram_hash.layer_multipliers(cfg.vocab_size, cfg.ngram_size, ple_layer_index, cfg.seed)
+        given = cfg.ple_hash
+        if given is not None:   # the checkpoint's own constants (a GGUF stores them, not their seed)
+            sizes, multipliers, offsets, rows = (list(given.head_vocab_sizes), list(given.layer_multipliers),
+                                                 list(given.head_offsets), given.table_rows)
+        else:
+            sizes = ngram_hash.head_vocab_sizes(cfg.ngram_vocab_size_base, cfg.ngram_heads, ple_layer_index)
+            multipliers = ngram_hash.layer_multipliers(cfg.vocab_size, cfg.ngram_size, ple_layer_index, cfg.seed)
+            offsets = ngram_hash.head_offsets(sizes)
+            rows = ngram_hash.padded_table_rows(sizes, cfg.make_ngram_vocab_size_divisible_by)
         self._constants = {
             "layer_multipliers": multipliers,
             "ngram_heads_vocab_sizes": sizes,
-            "ngram_heads_offsets": ngram_hash.head_offsets(sizes),
+            "ngram_heads_offsets": offsets,
         }
         for name, values in self._constants.items():
             self.register_buffer(name, torch.tensor(values, dtype=torch.long))
-        rows = ngram_hash.padded_table_rows(sizes, cfg.make_ngram_vocab_size_divisible_by)
         self.ngram_embedding = nn.Embedding(rows, cfg.ple_embed_dim // cfg.ngram_heads)
 
     def reset_constants(self) -> None:

@@ -1,0 +1,114 @@
+"""The metadata of llama.cpp's qwen4exp GGUFs, read into our model config (no torch: the daemon reads it too).
+
+The keys are the ones llama.cpp's converter (conversion/qwen4exp.py) writes; what GGUF does not carry (the Gated
+DeltaNet output gate's activation, norm_topk_prob, the MTP head) takes the published config's value, and the notes
+say so. The PLE hash constants come from the file (ModelConfig.ple_hash), not from a seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..engine.model.config import LINEAR, QSA
+from .errors import CheckpointError
+
+ARCH = "qwen4exp"
+
+
+def key(name: str) -> str:
+    return f"{ARCH}.{name}"
+
+
+def config_from_metadata(value: Callable[[str], object], tensor_shape: Callable[[str], tuple[int, ...] | None],
+                         where: str) -> tuple[dict, list[str]]:
+    """A text config (what ModelConfig.from_dict reads) from a GGUF's metadata; `value(key)` gives a key's value
+    (KeyError when absent), `tensor_shape(name)` a tensor's shape in torch order (None when absent). Returns the
+    config and the notes to tell the operator (what GGUF does not say and what was assumed)."""
+    def get(name: str, default=...):
+        try:
+            return value(key(name))
+        except KeyError:
+            if default is ...:
+                raise CheckpointError(f"{where}: metadata key {key(name)} is missing") from None
+            return default
+
+    arch = value("general.architecture")
+    if arch != ARCH:
+        raise CheckpointError(f"{where}: general.architecture is {arch!r}; this engine serves {ARCH!r} "
+                              f"(Qwen3.8-Flash-Next) only")
+    layers = int(get("block_count"))
+    recurrent = list(get("attention.recurrent_layers", []))
+    if not recurrent:
+        interval = int(get("full_attention_interval", 4))
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    ratios = [int(r) for r in get("attention.compress_ratios", [0] * layers)]
+    notes = []
+    qsa_layers = [i for i in range(layers) if not recurrent[i]]
+    used = sorted({ratios[i] for i in qsa_layers})
+    if 0 in used:
+        raise CheckpointError(
+            f"{where}: {key('attention.compress_ratios')} is 0 on the QSA layers {qsa_layers[:4]}"
+            f"{'...' if len(qsa_layers) > 4 else ''}, which carry the indexer's tensors: llama.cpp's converter "
+            f"writes 0 there when the transformers it runs with knows qwen4_exp (it renames full_attention to "
+            f"indexed_attention), so the file does not say the ratio. Convert again with a converter that writes "
+            f"it, or without transformers' qwen4_exp (the published config.json has indexer_compress_ratio 4)")
+    if len(used) > 1:
+        raise CheckpointError(f"{where}: QSA layers with different compress ratios {used}; qwen4_exp has one")
+    embed = tensor_shape("token_embd.weight")
+    if embed is None:
+        raise CheckpointError(f"{where}: tensor token_embd.weight is missing")
+    hidden = int(get("embedding_length"))
+    key_dim = int(get("attention.key_length"))
+    ple_layers = [int(p) + 1 for p in get("ple.layers", [])]
+    value_heads = int(get("ssm.time_step_rank"))
+    config = {
+        "vocab_size": embed[0], "hidden_size": hidden, "num_hidden_layers": layers,
+        "num_attention_heads": int(get("attention.head_count")),
+        "num_key_value_heads": int(get("attention.head_count_kv")),
+        "head_dim": key_dim,
+        "rope_parameters": {"rope_theta": float(get("rope.freq_base")),
+                            "partial_rotary_factor": int(get("rope.dimension_count")) / key_dim},
+        "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
+        "linear_key_head_dim": int(get("ssm.state_size")),
+        "linear_value_head_dim": int(get("ssm.inner_size")) // value_heads,
+        "linear_num_key_heads": int(get("ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length")),
+        "norm_topk_prob": True,
+        "hc_count": int(get("hyper_connection.count")), "hc_lowrank": int(get("hyper_connection.low_rank")),
+        "indexer_n_heads": int(get("attention.indexer.head_count")),
+        "indexer_head_dim": int(get("attention.indexer.key_length")),
+        "indexer_budget": int(get("attention.indexer.top_k")),
+        "indexer_compress_ratio": used[0] if used else 4,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(get("context_length")),
+        "eos_token_id": int(value("tokenizer.ggml.eos_token_id")),
+        "hidden_act": "silu",
+        "mtp_num_hidden_layers": 0,
+        "layer_types": [LINEAR if r else QSA for r in recurrent],
+    }
+    notes.append("the GGUF does not record the Gated DeltaNet output gate's activation: silu, as the published "
+                 "config (llama.cpp uses sigmoid)")
+    if ple_layers:
+        ngram_heads = (int(get("ple.ngram_size")) - 1) * int(get("ple.heads_per_ngram"))
+        table = tensor_shape("per_layer_token_embd.weight")
+        if table is None:
+            raise CheckpointError(f"{where}: tensor per_layer_token_embd.weight is missing (ple.layers is set)")
+        config.update({
+            "ple_layer_ids": ple_layers, "ngram_size": int(get("ple.ngram_size")),
+            "heads_per_ngram": int(get("ple.heads_per_ngram")),
+            "ple_conv_kernel_size": int(get("ple.conv_kernel")),
+            "ple_embed_dim": int(get("embedding_length_per_layer_input")) * ngram_heads,
+            "ple_hash": {"layer_multipliers": [int(v) for v in get("ple.layer_multipliers")],
+                         "head_vocab_sizes": [int(v) for v in get("ple.head_vocab_sizes")],
+                         "head_offsets": [int(v) for v in get("ple.head_offsets")],
+                         "table_rows": table[0]},
+        })
+        ple_eos = int(get("ple.eos_token_id", config["eos_token_id"]))
+        if ple_eos != config["eos_token_id"]:
+            notes.append(f"PLE resets at token {ple_eos} ({key('ple.eos_token_id')}), not at the tokenizer's "
+                         f"end of text {config['eos_token_id']}: the PLE's is used")
+            config["eos_token_id"] = ple_eos
+    return config, notes

@@ -1,0 +1,125 @@
+"""GGUF files in llama.cpp's layout (checkpoint/gguf_*.py): a file llama.cpp's converter wrote (tests/data) gives
+the model, the logits and the tokens of the checkpoint it was converted from; what the file cannot say, or says
+wrong, is refused with the key or tensor named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from qwen4exp.checkpoint.errors import CheckpointError
+from qwen4exp.checkpoint.gguf_file import GGUFCheckpoint
+from qwen4exp.checkpoint.gguf_metadata import config_from_metadata
+from qwen4exp.engine.loading import load_model
+from qwen4exp.engine.state import SequenceState
+from qwen4exp.tokenizer import Tokenizer
+
+LLAMACPP_F32 = Path(__file__).parent / "data" / "tiny_llamacpp_f32.gguf"
+
+
+@pytest.fixture(scope="module")
+def source_checkpoint(tmp_path_factory):
+    """The checkpoint the llama.cpp file was converted from (tests/data/README.md)."""
+    from qwen4exp.checkpoint.writer import write_random_checkpoint
+
+    out = tmp_path_factory.mktemp("gguf_source") / "ckpt"
+    write_random_checkpoint(out, preset="tiny", seed=0, dtype=torch.float32, progress=False)
+    return out
+
+
+def all_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, SequenceState(model.config, 512, "cpu", torch.float32), all_logits=True)
+
+
+def test_a_file_llamacpp_wrote_gives_the_logits_of_its_source_bit_for_bit(source_checkpoint):
+    ours = load_model(str(LLAMACPP_F32), dtype="float32", device="cpu", progress=False)
+    reference = load_model(str(source_checkpoint), dtype="float32", device="cpu", progress=False)
+    assert ours.config.layer_types == reference.config.layer_types
+    assert ours.config.indexer_compress_ratio == reference.config.indexer_compress_ratio == 4
+    assert ours.mtp is None                                   # llama.cpp's converter drops the MTP head
+    ids = torch.randint(0, ours.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(all_logits(ours, ids), all_logits(reference, ids))   # dense and ranked QSA, PLE, experts
+
+
+def test_its_tokenizer_and_chat_template_come_from_the_file(source_checkpoint, tmp_path):
+    copy = tmp_path / "model.gguf"                            # no tokenizer.json beside it
+    copy.write_bytes(LLAMACPP_F32.read_bytes())
+    ours, reference = Tokenizer.from_path(copy), Tokenizer.from_path(source_checkpoint)
+    text = "The quick brown fox, 12 apples and naïve café!\n\nDone."
+    assert ours.encode(text) == reference.encode(text)
+    chat = [{"role": "user", "content": "Hello there"}]
+    assert ours.encode_chat(chat) == reference.encode_chat(chat)
+    assert ours.eos_token_ids[0] == reference.eos_token_ids[0]
+    assert ours.decode(ours.encode(text)) == text
+
+
+def test_generate_on_the_gguf_answers_as_on_its_source(source_checkpoint):
+    def generate(model: str) -> list[int]:
+        out = subprocess.run([sys.executable, "-m", "qwen4exp.cli", "generate", "--model", model, "--prompt",
+                              "Once upon a time", "--max-tokens", "12", "--greedy", "--json", "--ignore-eos"],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["token_ids"]
+
+    assert generate(str(LLAMACPP_F32)) == generate(str(source_checkpoint))
+
+
+def metadata(overrides: dict):
+    checkpoint = GGUFCheckpoint(LLAMACPP_F32)
+
+    def value(key: str):
+        if key in overrides:
+            if overrides[key] is KeyError:
+                raise KeyError(key)
+            return overrides[key]
+        return checkpoint.value(key)
+
+    return value, checkpoint.shape
+
+
+def test_the_converter_bug_that_zeroes_the_qsa_compress_ratio_is_named():
+    value, shape = metadata({"qwen4exp.attention.compress_ratios": [0] * 8})
+    with pytest.raises(CheckpointError, match=r"compress_ratios is 0 on the QSA layers \[3, 7\].*indexed_attention"):
+        config_from_metadata(value, shape, "x.gguf")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"general.architecture": "qwen35moe"}, "general.architecture is 'qwen35moe'"),
+    ({"qwen4exp.hyper_connection.count": KeyError}, "metadata key qwen4exp.hyper_connection.count is missing"),
+    ({"qwen4exp.attention.compress_ratios": [0, 0, 0, 4, 0, 0, 0, 2]}, "different compress ratios"),
+])
+def test_metadata_it_cannot_serve_is_refused_by_key(overrides, message):
+    value, shape = metadata(overrides)
+    with pytest.raises(CheckpointError, match=message):
+        config_from_metadata(value, shape, "x.gguf")
+
+
+def test_a_tensor_type_it_does_not_read_is_refused_by_name(tmp_path):
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    path = tmp_path / "odd.gguf"
+    writer = GGUFWriter(str(path), "qwen4exp")
+    writer.add_tensor("blk.0.ffn_down_exps.weight", np.zeros((8, 32, 84), dtype=np.uint8),   # 84 bytes: 256 values
+                      raw_dtype=GGMLQuantizationType.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_down_exps\.weight \(Q2_K\).*reads F32, F16, BF16"):
+        GGUFCheckpoint(path).check_types()
+
+
+def test_a_split_set_is_named_by_its_first_shard(tmp_path):
+    for no in (1, 2):
+        (tmp_path / f"m-0000{no}-of-00003.gguf").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="lacks m-00003-of-00003.gguf"):
+        GGUFCheckpoint(tmp_path / "m-00001-of-00003.gguf")
+    (tmp_path / "m-00003-of-00003.gguf").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="name the first shard"):
+        GGUFCheckpoint(tmp_path / "m-00002-of-00003.gguf")
