@@ -123,3 +123,14 @@ def test_a_split_set_is_named_by_its_first_shard(tmp_path):
     (tmp_path / "m-00003-of-00003.gguf").write_bytes(b"")
     with pytest.raises(CheckpointError, match="name the first shard"):
         GGUFCheckpoint(tmp_path / "m-00002-of-00003.gguf")
+
+
+def test_the_daemon_reads_a_gguf_tokenizer_without_importing_torch():
+    code = ("import sys\n"
+            "from qwen4exp.tokenizer import Tokenizer\n"
+            f"tokenizer = Tokenizer.from_path({str(LLAMACPP_F32)!r})\n"
+            "assert tokenizer.encode('hello world')\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

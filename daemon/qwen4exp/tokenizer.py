@@ -79,13 +79,13 @@ class Tokenizer:
     def from_path(cls, path: str | Path) -> "Tokenizer":
         """The tokenizer of a checkpoint directory, or of a GGUF file: the tokenizer.json beside it when there
         is one, else the GGUF's own tokenizer metadata."""
-        from .checkpoint.gguf_file import GGUFCheckpoint, is_gguf, tokenizer_from
-
         path = Path(path)
-        if not is_gguf(path):
+        if path.suffix != ".gguf":
             return cls.from_dir(path)
         if (path.parent / "tokenizer.json").is_file():
             return cls.from_dir(path.parent)
+        from .checkpoint.gguf_file import GGUFCheckpoint, tokenizer_from
+
         hf, template, eos = tokenizer_from(GGUFCheckpoint(path))
         return cls(hf, template, [eos], hf.get_vocab_size(with_added_tokens=True), path)
 
