@@ -134,3 +134,84 @@ def test_the_daemon_reads_a_gguf_tokenizer_without_importing_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def write_tiny(path: Path, mix: str, model=None) -> Path:
+    from qwen4exp.checkpoint.gguf_writer import write_gguf
+    from qwen4exp.checkpoint.presets import preset_config
+    from qwen4exp.checkpoint.random_weights import random_model
+    from qwen4exp.checkpoint.tokenizer_builder import build_tokenizer, chat_template
+
+    text = preset_config("tiny", dtype="float32")["text_config"]
+    model = model if model is not None else random_model("tiny", dtype="float32", device="cpu", seed=0)
+    return write_gguf(path, model, text, json.loads(build_tokenizer(text).to_str()), chat_template(), mix=mix)
+
+
+def test_our_writer_writes_what_llamacpps_converter_writes(tmp_path):
+    from gguf import GGUFReader
+
+    ours, theirs = GGUFReader(str(write_tiny(tmp_path / "ours.gguf", "f32"))), GGUFReader(str(LLAMACPP_F32))
+    ours_tensors, their_tensors = {t.name: t for t in ours.tensors}, {t.name: t for t in theirs.tensors}
+    assert set(ours_tensors) == set(their_tensors)
+    for name, tensor in ours_tensors.items():
+        assert tensor.tensor_type == their_tensors[name].tensor_type, name
+        assert np.array_equal(np.asarray(tensor.data), np.asarray(their_tensors[name].data)), name
+    # what the converter adds from files we do not write (the model card's name, the vision config's image token)
+    optional = {"general.name", "general.size_label", "qwen4exp.ple.image_token_id", "GGUF.kv_count"}
+    ours_keys = {k: f.contents() for k, f in ours.fields.items() if k not in optional}
+    their_keys = {k: f.contents() for k, f in theirs.fields.items() if k not in optional}
+    assert ours_keys == their_keys
+
+
+def greedy(model, n: int = 10) -> list[int]:
+    state = SequenceState(model.config, 64, "cpu", torch.float32)
+    logits = model(torch.tensor([5, 77, 300, 12, 9]), state)
+    out = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = model(torch.tensor([out[-1]]), state)
+    return out
+
+
+@pytest.mark.parametrize("mix", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+                                 "IQ4_NL", "IQ4_XS", "ud-q4_k_xl"])
+def test_a_quantized_gguf_gives_the_tokens_of_the_float32_gguf_of_its_dequantized_weights(tmp_path, mix):
+    quantized_file = write_tiny(tmp_path / "q.gguf", mix)
+    types = {tensor.tensor_type.name for tensor in GGUFCheckpoint(quantized_file).tensors.values()}
+    if mix != "ud-q4_k_xl":
+        assert mix in types                                    # the tiny shapes take every type somewhere
+    quantized = load_model(str(quantized_file), dtype="float32", device="cpu", progress=False)
+    twin = load_model(str(write_tiny(tmp_path / "f.gguf", "f32", model=quantized)), dtype="float32", device="cpu",
+                      progress=False)
+    assert greedy(quantized) == greedy(twin)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                                   "IQ4_XS"])
+def test_random_blocks_reach_every_byte_and_keep_the_spread_asked(qtype):
+    from gguf import GGMLQuantizationType, quants
+
+    from qwen4exp.checkpoint.gguf_blocks import random_blocks
+
+    blocks = random_blocks(qtype, (32, 1024), 0.02, seed=3)
+    values = quants.dequantize(blocks, GGMLQuantizationType[qtype])
+    assert np.isfinite(values).all() and values.shape == (32, 1024)
+    assert abs(values.std() - 0.02) < 0.003 and abs(values.mean()) < 0.004
+    assert len(np.unique(blocks)) == 256
+
+
+def test_a_tensor_of_the_wrong_shape_is_named_before_anything_is_copied(monkeypatch):
+    from qwen4exp.checkpoint.gguf_loader import load_gguf_weights
+    from qwen4exp.engine.loading import build_model
+
+    checkpoint = GGUFCheckpoint(LLAMACPP_F32)
+    config = checkpoint.model_config()
+    model = build_model(config, torch.float32, torch.device("cpu"))
+    for tensor in model.state_dict().values():
+        tensor.zero_()
+    real_shape = checkpoint.shape
+    monkeypatch.setattr(checkpoint, "shape", lambda name: (7, 7) if name == "blk.6.ssm_out.weight" else
+                        real_shape(name))
+    with pytest.raises(CheckpointError, match=r"blk\.6\.ssm_out\.weight has shape \[7, 7\].*expects \[64, 64\]"):
+        load_gguf_weights(checkpoint, model, config)
+    assert all(not tensor.any() for tensor in model.state_dict().values())

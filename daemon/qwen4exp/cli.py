@@ -223,11 +223,32 @@ def cmd_install_service(args: argparse.Namespace) -> int:
 def cmd_init_checkpoint(args: argparse.Namespace) -> int:
     import torch
 
+    if args.format == "gguf":
+        return _init_gguf(args)
     from .checkpoint.writer import write_random_checkpoint
     out = write_random_checkpoint(Path(args.out), preset=args.preset, layers=args.layers, seed=args.seed,
                                   dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype],
                                   device=args.device, progress=True)
     print(out)
+    return 0
+
+
+def _init_gguf(args: argparse.Namespace) -> int:
+    """A random-weight GGUF in llama.cpp's layout at a quantization mix (checkpoint/gguf_writer.py)."""
+    import json
+
+    from .checkpoint.gguf_writer import write_gguf
+    from .checkpoint.presets import preset_config
+    from .checkpoint.random_weights import random_model
+    from .checkpoint.tokenizer_builder import build_tokenizer, chat_template
+
+    if not args.out.endswith(".gguf"):
+        raise SystemExit(f"error: --out {args.out!r}: a GGUF is one file; name it *.gguf")
+    model = random_model(args.preset, args.layers, dtype=args.dtype, device=args.device, seed=args.seed,
+                         progress=True)
+    text = preset_config(args.preset, args.layers, dtype=args.dtype)["text_config"]
+    tokenizer = json.loads(build_tokenizer(text).to_str())
+    print(write_gguf(args.out, model, text, tokenizer, chat_template(), mix=args.quant, seed=args.seed))
     return 0
 
 
@@ -314,6 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     init.add_argument("--device", default="cpu", help="where to generate the random tensors (cpu or cuda)")
+    init.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
+                      help="the published layout (a directory) or llama.cpp's GGUF (one file, --out *.gguf)")
+    init.add_argument("--quant", default="bf16", help="GGUF only: f32, bf16, q8_0 or ud-q4_k_xl (unsloth's mix), "
+                      "or one type for every matrix (Q4_K, IQ4_NL, ...); K-quant and IQ4 weights are random blocks")
     init.set_defaults(func=cmd_init_checkpoint)
     return parser
 

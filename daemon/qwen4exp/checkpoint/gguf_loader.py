@@ -27,22 +27,26 @@ def load_gguf_weights(checkpoint: GGUFCheckpoint, module: torch.nn.Module, confi
         raise CheckpointError(f"{checkpoint.path}: {len(missing)} tensors the model needs are missing "
                               f"({', '.join(missing[:5]) or 'none'}); {len(unexpected)} match nothing in the model "
                               f"({', '.join(unexpected[:5]) or 'none'})")
-    report = LoadReport(files=len(checkpoint.shards))
-    for piece in pieces:
-        target = targets[piece.target]
-        part = target if piece.rows is None else target.narrow(piece.axis, piece.rows.start,
-                                                               piece.rows.stop - piece.rows.start)
-        values = piece.from_gguf(torch.from_numpy(checkpoint.array(piece.gguf)))
-        if tuple(values.shape) != tuple(part.shape):
+    parts = [_part(targets[piece.target], piece) for piece in pieces]
+    for piece, part in zip(pieces, parts):      # every shape, from the headers, before the first copy
+        expected = tuple(piece.to_gguf(torch.empty(part.shape, device="meta")).shape)
+        if checkpoint.shape(piece.gguf) != expected:
             raise CheckpointError(f"{checkpoint.path}: tensor {piece.gguf} has shape "
-                                  f"{list(checkpoint.shape(piece.gguf))} (torch's axis order), which does not fill "
-                                  f"the model's {piece.target} {list(part.shape)}")
-        part.copy_(values.to(part.dtype))
+                                  f"{list(checkpoint.shape(piece.gguf))} (torch's axis order), the model expects "
+                                  f"{list(expected)} (for its {piece.target})")
+    report = LoadReport(files=len(checkpoint.shards))
+    for piece, part in zip(pieces, parts):
+        part.copy_(piece.from_gguf(torch.from_numpy(checkpoint.array(piece.gguf))).to(part.dtype))
         report.tensors += 1
         report.bytes += int(checkpoint.tensors[piece.gguf].n_bytes)
     _check_ple_constants(checkpoint, module)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _part(target: torch.Tensor, piece: gguf_layout.Piece) -> torch.Tensor:
+    return target if piece.rows is None else target.narrow(piece.axis, piece.rows.start,
+                                                           piece.rows.stop - piece.rows.start)
 
 
 def _check_ple_constants(checkpoint: GGUFCheckpoint, module: torch.nn.Module) -> None:

@@ -32,7 +32,10 @@ def config_from_metadata(value: Callable[[str], object], tensor_shape: Callable[
                 raise CheckpointError(f"{where}: metadata key {key(name)} is missing") from None
             return default
 
-    arch = value("general.architecture")
+    try:
+        arch = value("general.architecture")
+    except KeyError:
+        arch = None
     if arch != ARCH:
         raise CheckpointError(f"{where}: general.architecture is {arch!r}; this engine serves {ARCH!r} "
                               f"(Qwen3.8-Flash-Next) only")
@@ -112,3 +115,57 @@ def config_from_metadata(value: Callable[[str], object], tensor_shape: Callable[
                          f"end of text {config['eos_token_id']}: the PLE's is used")
             config["eos_token_id"] = ple_eos
     return config, notes
+
+
+def metadata_for(cfg, rope_sections: list[int], ple_constants: dict[str, list[int]], file_type: int,
+                 name: str) -> list[tuple[str, object, str]]:
+    """The model's metadata as llama.cpp's converter writes it, in its order: (key, value, GGUF value type name;
+    arrays as "ARRAY:<element type>"). `rope_sections`: the config's rope_parameters.mrope_section (text uses
+    one position stream, so they do not change the numbers, but llama.cpp requires the key)."""
+    interval = next((i + 1 for i, kind in enumerate(cfg.layer_types) if kind == QSA), 4)
+    rows = [
+        ("general.architecture", ARCH, "STRING"), ("general.type", "model", "STRING"),
+        ("general.name", name, "STRING"),
+        (key("block_count"), cfg.num_hidden_layers, "UINT32"),
+        (key("context_length"), cfg.max_position_embeddings, "UINT32"),
+        (key("embedding_length"), cfg.hidden_size, "UINT32"),
+        (key("attention.head_count"), cfg.num_attention_heads, "UINT32"),
+        (key("attention.head_count_kv"), cfg.num_key_value_heads, "UINT32"),
+        (key("rope.dimension_sections"), list(rope_sections) + [0] * (4 - len(rope_sections)), "ARRAY:INT32"),
+        (key("rope.freq_base"), cfg.rope_theta, "FLOAT32"),
+        (key("attention.layer_norm_rms_epsilon"), cfg.rms_norm_eps, "FLOAT32"),
+        (key("expert_count"), cfg.num_experts, "UINT32"),
+        (key("expert_used_count"), cfg.num_experts_per_tok, "UINT32"),
+        (key("attention.key_length"), cfg.head_dim, "UINT32"),
+        (key("attention.value_length"), cfg.head_dim, "UINT32"),
+        ("general.file_type", file_type, "UINT32"),
+        (key("expert_feed_forward_length"), cfg.moe_intermediate_size, "UINT32"),
+        (key("expert_shared_feed_forward_length"), cfg.shared_expert_intermediate_size, "UINT32"),
+        (key("ssm.conv_kernel"), cfg.linear_conv_kernel_dim, "UINT32"),
+        (key("ssm.state_size"), cfg.linear_key_head_dim, "UINT32"),
+        (key("ssm.group_count"), cfg.linear_num_key_heads, "UINT32"),
+        (key("ssm.time_step_rank"), cfg.linear_num_value_heads, "UINT32"),
+        (key("ssm.inner_size"), cfg.linear_value_head_dim * cfg.linear_num_value_heads, "UINT32"),
+        (key("attention.recurrent_layers"), [kind == LINEAR for kind in cfg.layer_types], "ARRAY:BOOL"),
+        (key("full_attention_interval"), interval, "UINT32"),
+        (key("rope.dimension_count"), cfg.rotary_dim, "UINT32"),
+        (key("hyper_connection.count"), cfg.hc_count, "UINT32"),
+        (key("hyper_connection.low_rank"), cfg.hc_lowrank, "UINT32"),
+        (key("attention.indexer.head_count"), cfg.indexer_n_heads, "UINT32"),
+        (key("attention.indexer.key_length"), cfg.indexer_head_dim, "UINT32"),
+        (key("attention.indexer.top_k"), cfg.indexer_budget, "UINT32"),
+        (key("attention.compress_ratios"),
+         [cfg.indexer_compress_ratio if kind == QSA else 0 for kind in cfg.layer_types], "ARRAY:INT32"),
+    ]
+    if cfg.ple_layer_ids:
+        rows += [
+            (key("ple.layers"), [i - 1 for i in cfg.ple_layer_ids], "ARRAY:INT32"),
+            (key("ple.ngram_size"), cfg.ngram_size, "UINT32"),
+            (key("ple.heads_per_ngram"), cfg.heads_per_ngram, "UINT32"),
+            (key("ple.conv_kernel"), cfg.ple_conv_kernel_size, "UINT32"),
+            (key("ple.eos_token_id"), cfg.eos_token_id, "UINT32"),
+            (key("embedding_length_per_layer_input"), cfg.ple_embed_dim // cfg.ngram_heads, "UINT32"),
+        ] + [(key(name), ple_constants[name], "ARRAY:UINT64")
+             for name in ("ple.layer_multipliers", "ple.head_offsets", "ple.head_vocab_sizes")]
+    rows.append(("general.quantization_version", 2, "UINT32"))
+    return rows

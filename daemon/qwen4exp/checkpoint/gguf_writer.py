@@ -1,0 +1,142 @@
+"""Write a model as a GGUF in llama.cpp's qwen4exp layout, at a quantization mix: what `init-checkpoint --format
+gguf` writes, so tests and benches need no download.
+
+The metadata, the tensor names and transforms are the converter's (gguf_metadata.py, gguf_layout.py): at the
+f32 mix the file equals, tensor for tensor and bit for bit, what llama.cpp's converter writes from the same
+checkpoint (tests/test_gguf.py). Float types and the simple quants (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) encode the
+model's values; the K-quants and IQ4 types, which the `gguf` package cannot quantize, are random blocks with
+the tensor's spread (gguf_blocks.py): the file's model is then its own random model, read back by dequantizing.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import gguf_blocks, gguf_layout
+from .gguf_metadata import ARCH, metadata_for
+
+# The tensors llama.cpp's converter keeps in F32 whatever the file's type: 1-D ones, norms, routers, the
+# Gated DeltaNet's conv, A and dt bias.
+_FLOAT32_NAMES = re.compile(r"(_norm\.weight|ffn_gate_inp\.weight|ffn_gate_inp_shexp\.weight|ssm_conv1d\.weight"
+                            r"|ssm_a|ssm_dt\.bias)$")
+
+# unsloth's UD-Q4_K_XL of Qwen3.8-Flash-Next, as published (docs/PRODUCT.md): experts' gate/up Q4_K, down Q5_1
+# (Q8_0 on layers 2, 4, 30, 46, 47), the indexer BF16, the PLE table IQ4_NL, every other matrix Q8_0. (The
+# publication names one layer whose gate/up are Q5_K without saying which; all are Q4_K here.)
+_UD_DOWN_Q8_LAYERS = (2, 4, 30, 46, 47)
+MIXES = ("f32", "bf16", "q8_0", "ud-q4_k_xl")
+_FILE_TYPES = {"f32": "ALL_F32", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0", "ud-q4_k_xl": "MOSTLY_Q4_K_M",
+               "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M"}   # general.file_type: what llama.cpp's tools name
+# Besides the mixes, one type for every matrix (the per-type tests): "Q4_K", "IQ4_NL", ...
+ONE_TYPE = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+
+
+def _block(qtype: str) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][0]
+
+
+def tensor_type(name: str, shape: tuple[int, ...], mix: str) -> str:
+    """The GGML type of tensor `name` (GGUF name; `shape` in torch order) at `mix` (one of MIXES or ONE_TYPE). A
+    type whose blocks do not divide the rows falls back to Q8_0, then F16, as llama.cpp's tools do."""
+    if mix == "f32" or len(shape) == 1 or _FLOAT32_NAMES.search(name):
+        return "F32"
+    wanted = mix if mix in ONE_TYPE else {"bf16": "BF16", "q8_0": "Q8_0"}.get(mix) or _ud_q4_k_xl(name)
+    for qtype in (wanted, "Q8_0", "F16"):
+        if shape[-1] % _block(qtype) == 0:
+            return qtype
+    return "F16"
+
+
+def _ud_q4_k_xl(name: str) -> str:
+    layer = re.match(r"blk\.(\d+)\.", name)
+    if name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+        return "Q4_K"
+    if name.endswith("ffn_down_exps.weight"):
+        return "Q8_0" if layer and int(layer[1]) in _UD_DOWN_Q8_LAYERS else "Q5_1"
+    if ".indexer." in name:
+        return "BF16"
+    if name == "per_layer_token_embd.weight":
+        return "IQ4_NL"
+    if name.endswith(("ssm_alpha.weight", "ssm_beta.weight")):
+        return "F32"
+    return "Q8_0"
+
+
+def encode(values: torch.Tensor, qtype: str, seed: int) -> np.ndarray:
+    """The bytes (or float array) of `values` (float32, torch order) as `qtype`."""
+    from gguf import GGMLQuantizationType, quants
+
+    array = values.detach().to(torch.float32).cpu().numpy()
+    if qtype == "F32":
+        return array
+    if qtype == "F16":
+        return array.astype(np.float16)
+    if qtype in gguf_blocks.QUANTIZED_TYPES and qtype not in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        spread = float(array.std()) if array.size > 1 else 0.0
+        return gguf_blocks.random_blocks(qtype, array.shape, spread or 1e-3, seed)
+    return quants.quantize(array, GGMLQuantizationType[qtype])
+
+
+def tokenizer_metadata(tokenizer_json: dict, vocab_size: int, chat_template: str | None,
+                       eos_token_id: int) -> list[tuple[str, object, str]]:
+    """tokenizer.* as the converter writes them for a Qwen byte-level BPE (tokens padded to vocab_size)."""
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [5] * vocab_size                                   # unused, until a token claims the id
+    for token, index in tokenizer_json["model"]["vocab"].items():
+        if index < vocab_size:
+            tokens[index], types[index] = token, 1
+    for added in tokenizer_json.get("added_tokens", []):
+        if added["id"] < vocab_size:
+            tokens[added["id"]], types[added["id"]] = added["content"], 3 if added["special"] else 4
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer_json["model"]["merges"]]
+    rows = [("tokenizer.ggml.model", "gpt2", "STRING"), ("tokenizer.ggml.pre", "qwen35", "STRING"),
+            ("tokenizer.ggml.tokens", tokens, "ARRAY:STRING"), ("tokenizer.ggml.token_type", types, "ARRAY:INT32"),
+            ("tokenizer.ggml.merges", merges, "ARRAY:STRING"),
+            ("tokenizer.ggml.eos_token_id", eos_token_id, "UINT32"),
+            ("tokenizer.ggml.padding_token_id", eos_token_id, "UINT32"),
+            ("tokenizer.ggml.add_bos_token", False, "BOOL")]
+    if chat_template:
+        rows.append(("tokenizer.chat_template", chat_template, "STRING"))
+    return rows
+
+
+@torch.no_grad()
+def write_gguf(path: str | Path, model: torch.nn.Module, text_config: dict, tokenizer_json: dict,
+               chat_template: str | None, mix: str = "bf16", seed: int = 0) -> Path:
+    """`model` (built from `text_config`, the config dict it came from) as a GGUF at `mix` (one of MIXES)."""
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
+
+    if mix not in MIXES + ONE_TYPE:
+        raise ValueError(f"unknown GGUF mix {mix!r}; choose one of {', '.join(MIXES + ONE_TYPE)}")
+    cfg = model.config
+    path = Path(path)
+    writer = GGUFWriter(str(path), ARCH)
+    sections = (text_config.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10]
+    rows = metadata_for(cfg, sections, gguf_layout.ple_constants_from(model),
+                        int(LlamaFileType[_FILE_TYPES.get(mix, f"MOSTLY_{mix}")]), path.stem)
+    rows += tokenizer_metadata(tokenizer_json, cfg.vocab_size, chat_template, cfg.eos_token_id)
+    for key, value, kind in rows:
+        if key == "general.architecture":
+            continue                                         # the writer's own first key
+        element = kind.split(":")[1] if kind.startswith("ARRAY:") else None
+        writer.add_key_value(key, value, GGUFValueType["ARRAY" if element else kind],
+                             sub_type=GGUFValueType[element] if element else None)
+    targets = model.state_dict()
+    for index, piece in enumerate(gguf_layout.pieces(cfg)):
+        target = targets[piece.target].float()
+        part = target if piece.rows is None else target.narrow(piece.axis, piece.rows.start,
+                                                               piece.rows.stop - piece.rows.start)
+        values = piece.to_gguf(part.contiguous())
+        qtype = tensor_type(piece.gguf, tuple(values.shape), mix)
+        data = encode(values, qtype, seed * 100003 + index)
+        writer.add_tensor(piece.gguf, data, raw_dtype=None if qtype in ("F32", "F16") else GGMLQuantizationType[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
