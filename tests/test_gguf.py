@@ -55,7 +55,8 @@ def test_its_tokenizer_and_chat_template_come_from_the_file(source_checkpoint, t
     assert ours.encode(text) == reference.encode(text)
     chat = [{"role": "user", "content": "Hello there"}]
     assert ours.encode_chat(chat) == reference.encode_chat(chat)
-    assert ours.eos_token_ids[0] == reference.eos_token_ids[0]
+    assert ours.eos_token_ids == reference.eos_token_ids           # end of text and <|im_end|>: chats stop
+    assert ours.vocab_size == reference.vocab_size
     assert ours.decode(ours.encode(text)) == text
 
 

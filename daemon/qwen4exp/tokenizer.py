@@ -86,8 +86,8 @@ class Tokenizer:
             return cls.from_dir(path.parent)
         from .checkpoint.gguf_file import GGUFCheckpoint, tokenizer_from
 
-        hf, template, eos = tokenizer_from(GGUFCheckpoint(path))
-        return cls(hf, template, [eos], hf.get_vocab_size(with_added_tokens=True), path)
+        hf, template, ends, vocab_size = tokenizer_from(GGUFCheckpoint(path))
+        return cls(hf, template, ends, vocab_size, path)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":

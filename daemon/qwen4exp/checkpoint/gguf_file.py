@@ -119,9 +119,15 @@ class GGUFCheckpoint:
 _CONTROL, _USER_DEFINED, _UNUSED = 3, 4, 5   # llama.cpp's token types
 
 
+# Qwen's end-of-turn and end-of-text tokens: llama.cpp ends generation at them too (by their text), beside the
+# ids tokenizer.ggml.eos_token_id and eot_token_id name.
+_END_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
 def tokenizer_from(checkpoint: GGUFCheckpoint):
-    """(tokenizers.Tokenizer, chat template or None, end-of-text id) from the GGUF's tokenizer.* metadata: the
-    byte-level BPE of llama.cpp's "gpt2" model with the Qwen split rule ("qwen35" / "qwen2" pre-tokenizers)."""
+    """(tokenizers.Tokenizer, chat template or None, the ids that end generation, vocabulary size) from the GGUF's
+    tokenizer.* metadata: the byte-level BPE of llama.cpp's "gpt2" model with the Qwen split rule ("qwen35" /
+    "qwen2" pre-tokenizers)."""
     from .tokenizer_builder import byte_level_bpe
 
     where = checkpoint.path
@@ -129,6 +135,7 @@ def tokenizer_from(checkpoint: GGUFCheckpoint):
         model, pre = checkpoint.value("tokenizer.ggml.model"), checkpoint.value("tokenizer.ggml.pre")
         tokens = checkpoint.value("tokenizer.ggml.tokens")
         merges = checkpoint.value("tokenizer.ggml.merges")
+        eos = int(checkpoint.value("tokenizer.ggml.eos_token_id"))
     except KeyError as err:
         raise CheckpointError(f"{where}: no tokenizer.json beside it and no {err.args[0]} in its metadata") from None
     if model != "gpt2" or pre not in ("qwen35", "qwen2"):
@@ -150,4 +157,10 @@ def tokenizer_from(checkpoint: GGUFCheckpoint):
         template = checkpoint.value("tokenizer.chat_template")
     except KeyError:
         template = None
-    return byte_level_bpe(vocab, list(merges), added), template, int(checkpoint.value("tokenizer.ggml.eos_token_id"))
+    ends = [eos]
+    try:
+        ends.append(int(checkpoint.value("tokenizer.ggml.eot_token_id")))
+    except KeyError:
+        pass
+    ends += sorted(added[token][0] for token in _END_TOKENS if token in added)
+    return byte_level_bpe(vocab, list(merges), added), template, list(dict.fromkeys(ends)), len(tokens)
