@@ -116,6 +116,17 @@ def test_a_tensor_type_it_does_not_read_is_refused_by_name(tmp_path):
         GGUFCheckpoint(path).check_types()
 
 
+def test_a_split_set_reads_as_the_one_file(tmp_path):
+    first = write_tiny(tmp_path / "set.gguf", "f32", split_max_tensors=100)
+    assert first.name == "set-00001-of-00003.gguf"
+    split = GGUFCheckpoint(first)
+    whole = GGUFCheckpoint(LLAMACPP_F32)
+    assert len(split.shards) == 3 and set(split.tensors) == set(whole.tensors)
+    ids = torch.arange(40) * 7 % 1000
+    assert torch.equal(all_logits(load_model(str(first), device="cpu", progress=False), ids),
+                       all_logits(load_model(str(LLAMACPP_F32), device="cpu", progress=False), ids))
+
+
 def test_a_split_set_is_named_by_its_first_shard(tmp_path):
     for no in (1, 2):
         (tmp_path / f"m-0000{no}-of-00003.gguf").write_bytes(b"")
@@ -137,7 +148,7 @@ def test_the_daemon_reads_a_gguf_tokenizer_without_importing_torch():
     assert out.stdout.strip() == "False"
 
 
-def write_tiny(path: Path, mix: str, model=None) -> Path:
+def write_tiny(path: Path, mix: str, model=None, split_max_tensors: int = 0) -> Path:
     from qwen4exp.checkpoint.gguf_writer import write_gguf
     from qwen4exp.checkpoint.presets import preset_config
     from qwen4exp.checkpoint.random_weights import random_model
@@ -145,7 +156,8 @@ def write_tiny(path: Path, mix: str, model=None) -> Path:
 
     text = preset_config("tiny", dtype="float32")["text_config"]
     model = model if model is not None else random_model("tiny", dtype="float32", device="cpu", seed=0)
-    return write_gguf(path, model, text, json.loads(build_tokenizer(text).to_str()), chat_template(), mix=mix)
+    return write_gguf(path, model, text, json.loads(build_tokenizer(text).to_str()), chat_template(), mix=mix,
+                      split_max_tensors=split_max_tensors)
 
 
 def test_our_writer_writes_what_llamacpps_converter_writes(tmp_path):

@@ -107,15 +107,16 @@ def tokenizer_metadata(tokenizer_json: dict, vocab_size: int, chat_template: str
 
 @torch.no_grad()
 def write_gguf(path: str | Path, model: torch.nn.Module, text_config: dict, tokenizer_json: dict,
-               chat_template: str | None, mix: str = "bf16", seed: int = 0) -> Path:
-    """`model` (built from `text_config`, the config dict it came from) as a GGUF at `mix` (one of MIXES)."""
+               chat_template: str | None, mix: str = "bf16", seed: int = 0, split_max_tensors: int = 0) -> Path:
+    """`model` (built from `text_config`, the config dict it came from) as a GGUF at `mix` (one of MIXES); with
+    `split_max_tensors`, a split set of that many tensors a shard (llama.cpp's names: returns the first shard)."""
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 
     if mix not in MIXES + ONE_TYPE:
         raise ValueError(f"unknown GGUF mix {mix!r}; choose one of {', '.join(MIXES + ONE_TYPE)}")
     cfg = model.config
     path = Path(path)
-    writer = GGUFWriter(str(path), ARCH)
+    writer = GGUFWriter(str(path), ARCH, split_max_tensors=split_max_tensors)
     sections = (text_config.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10]
     rows = metadata_for(cfg, sections, gguf_layout.ple_constants_from(model),
                         int(LlamaFileType[_FILE_TYPES.get(mix, f"MOSTLY_{mix}")]), path.stem)
@@ -139,4 +140,5 @@ def write_gguf(path: str | Path, model: torch.nn.Module, text_config: dict, toke
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    shards = len(writer.tensors)
+    return path if shards <= 1 else path.with_name(f"{path.stem}-00001-of-{shards:05d}.gguf")
