@@ -17,6 +17,7 @@ from qwen4exp.checkpoint.errors import CheckpointError
 from qwen4exp.checkpoint.gguf_file import GGUFCheckpoint
 from qwen4exp.checkpoint.gguf_metadata import config_from_metadata
 from qwen4exp.engine.loading import load_model
+from qwen4exp.engine.model.quantized import QuantizedStack
 from qwen4exp.engine.state import SequenceState
 from qwen4exp.tokenizer import Tokenizer
 
@@ -196,7 +197,17 @@ def test_a_quantized_gguf_gives_the_tokens_of_the_float32_gguf_of_its_dequantize
     quantized = load_model(str(quantized_file), dtype="float32", device="cpu", progress=False)
     twin = load_model(str(write_tiny(tmp_path / "f.gguf", "f32", model=quantized)), dtype="float32", device="cpu",
                       progress=False)
+    stacks = [module for module in quantized.modules() if isinstance(module, QuantizedStack)]
+    if mix in ("F16", "BF16"):
+        assert not stacks
+    else:                                      # every expert stack kept as blocks, dequantized as it is used
+        assert len(stacks) == 2 * quantized.config.num_hidden_layers
+        assert model_bytes(quantized) < model_bytes(twin)
     assert greedy(quantized) == greedy(twin)
+
+
+def model_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",

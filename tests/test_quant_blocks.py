@@ -30,3 +30,19 @@ def test_rows_that_are_not_whole_blocks_are_refused():
         dequantize(torch.zeros(2, 100, dtype=torch.uint8), "Q4_K")
     with pytest.raises(ValueError, match="no torch form for Q2_K"):
         dequantize(torch.zeros(2, 84, dtype=torch.uint8), "Q2_K")
+
+
+def test_a_quantized_stack_gives_experts_dequantized_in_the_models_dtype():
+    from qwen4exp.engine.model.quantized import QuantizedStack
+
+    blocks = torch.from_numpy(random_blocks("Q5_1", (4, 8, 64), 0.02, seed=5))
+    stack = QuantizedStack("Q5_1", (4, 8, 64), torch.float32)
+    stack.blocks.copy_(blocks)
+    dense = dequantize(blocks, "Q5_1")
+    assert torch.equal(stack[2], dense[2])
+    assert torch.equal(stack[torch.tensor([3, 0, 3])], dense[[3, 0, 3]])     # a decode step gathers by ids
+    stack.to(torch.bfloat16)                                                  # a cast of the model
+    assert stack.blocks.dtype == torch.uint8 and stack[1].dtype == torch.bfloat16
+    assert torch.equal(stack[1], dense[1].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="Q4_K rows hold whole blocks of 256 values"):
+        QuantizedStack("Q4_K", (2, 4, 64), torch.float32)

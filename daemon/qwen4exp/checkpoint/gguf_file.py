@@ -107,6 +107,10 @@ class GGUFCheckpoint:
         values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         return np.array(values, dtype=np.float32).reshape(self.shape(name))
 
+    def raw(self, name: str) -> np.ndarray:
+        """A quantized tensor's blocks as stored: uint8 [..., row bytes] in torch's axis order."""
+        return np.array(self.tensors[name].data, dtype=np.uint8)
+
     def check_types(self) -> None:
         unsupported = [f"{name} ({self.type_name(name)})" for name in self.tensors
                        if self.type_name(name) not in SUPPORTED_TYPES]

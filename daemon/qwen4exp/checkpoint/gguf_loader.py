@@ -1,5 +1,6 @@
-"""Put a GGUF's tensors into our model: each one dequantized, turned back into our layout (gguf_layout.py) and
-copied in place in the model's dtype, after every name and shape was checked."""
+"""Put a GGUF's tensors into our model, after every name and shape was checked: each one dequantized, turned back
+into our layout (gguf_layout.py) and copied in place in the model's dtype, but the quantized expert stacks,
+whose blocks are copied as they are into the model's QuantizedStacks (engine/model/quantized.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,28 @@ import torch
 
 from . import gguf_layout, gguf_metadata
 from .errors import CheckpointError
+from ..engine.model.quant_blocks import LAYOUTS
+from ..engine.model.quantized import QuantizedStack
 from .gguf_file import GGUFCheckpoint
 from .loader import LoadReport
+
+_STACKS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def quantized_stacks(checkpoint: GGUFCheckpoint, config) -> dict[str, tuple[str, tuple[int, int, int]]]:
+    """The expert stacks to keep quantized: {runtime name: (block type, shape)}, for each stack whose GGUF
+    tensors (gate and up, or down) hold one block type with a torch form."""
+    parts: dict[str, list[gguf_layout.Piece]] = {}
+    for piece in gguf_layout.pieces(config):
+        if piece.target.endswith(_STACKS):
+            parts.setdefault(piece.target, []).append(piece)
+    stacks = {}
+    for target, pieces in parts.items():
+        types = {checkpoint.type_name(piece.gguf) for piece in pieces if piece.gguf in checkpoint.tensors}
+        if len(types) == 1 and next(iter(types)) in LAYOUTS and all(p.gguf in checkpoint.tensors for p in pieces):
+            experts, rows, cols = checkpoint.shape(pieces[0].gguf)
+            stacks[target] = (types.pop(), (experts, rows * len(pieces), cols))
+    return stacks
 
 
 @torch.no_grad()
@@ -27,7 +48,8 @@ def load_gguf_weights(checkpoint: GGUFCheckpoint, module: torch.nn.Module, confi
         raise CheckpointError(f"{checkpoint.path}: {len(missing)} tensors the model needs are missing "
                               f"({', '.join(missing[:5]) or 'none'}); {len(unexpected)} match nothing in the model "
                               f"({', '.join(unexpected[:5]) or 'none'})")
-    parts = [_part(targets[piece.target], piece) for piece in pieces]
+    stacks = {name: module for name, module in module.named_modules() if isinstance(module, QuantizedStack)}
+    parts = [_part(stacks.get(piece.target) or targets[piece.target], piece) for piece in pieces]
     for piece, part in zip(pieces, parts):      # every shape, from the headers, before the first copy
         expected = tuple(piece.to_gguf(torch.empty(part.shape, device="meta")).shape)
         if checkpoint.shape(piece.gguf) != expected:
@@ -36,7 +58,10 @@ def load_gguf_weights(checkpoint: GGUFCheckpoint, module: torch.nn.Module, confi
                                   f"{list(expected)} (for its {piece.target})")
     report = LoadReport(files=len(checkpoint.shards))
     for piece, part in zip(pieces, parts):
-        part.copy_(piece.from_gguf(torch.from_numpy(checkpoint.array(piece.gguf))).to(part.dtype))
+        if isinstance(part, _StackPart):
+            part.copy_blocks(torch.from_numpy(checkpoint.raw(piece.gguf)))
+        else:
+            part.copy_(piece.from_gguf(torch.from_numpy(checkpoint.array(piece.gguf))).to(part.dtype))
         report.tensors += 1
         report.bytes += int(checkpoint.tensors[piece.gguf].n_bytes)
     _check_ple_constants(checkpoint, module)
@@ -44,7 +69,21 @@ def load_gguf_weights(checkpoint: GGUFCheckpoint, module: torch.nn.Module, confi
     return report
 
 
-def _part(target: torch.Tensor, piece: gguf_layout.Piece) -> torch.Tensor:
+class _StackPart:
+    """The rows of a QuantizedStack one GGUF tensor fills (all of it, or gate's or up's half of gate_up)."""
+
+    def __init__(self, stack: QuantizedStack, piece: gguf_layout.Piece):
+        rows = slice(0, stack.shape[1]) if piece.rows is None else piece.rows
+        self.stack, self.rows = stack, rows
+        self.shape = (stack.shape[0], rows.stop - rows.start, stack.shape[2])
+
+    def copy_blocks(self, raw: torch.Tensor) -> None:
+        self.stack.blocks[:, self.rows].copy_(raw.reshape(self.stack.blocks[:, self.rows].shape))
+
+
+def _part(target, piece: gguf_layout.Piece):
+    if isinstance(target, QuantizedStack):
+        return _StackPart(target, piece)
     return target if piece.rows is None else target.narrow(piece.axis, piece.rows.start,
                                                            piece.rows.stop - piece.rows.start)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..engine.model.quantized import QuantizedStack
 from . import gguf_blocks, gguf_layout
 from .gguf_metadata import ARCH, metadata_for
 
@@ -128,6 +129,9 @@ def write_gguf(path: str | Path, model: torch.nn.Module, text_config: dict, toke
         writer.add_key_value(key, value, GGUFValueType["ARRAY" if element else kind],
                              sub_type=GGUFValueType[element] if element else None)
     targets = model.state_dict()
+    for name, module in model.named_modules():        # quantized expert stacks are written from their values
+        if isinstance(module, QuantizedStack):
+            targets[name] = module.dequantize()
     for index, piece in enumerate(gguf_layout.pieces(cfg)):
         target = targets[piece.target].float()
         part = target if piece.rows is None else target.narrow(piece.axis, piece.rows.start,

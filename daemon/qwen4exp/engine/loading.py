@@ -7,11 +7,12 @@ import logging
 import torch
 
 from ..checkpoint.gguf_file import GGUFCheckpoint, is_gguf
-from ..checkpoint.gguf_loader import load_gguf_weights
+from ..checkpoint.gguf_loader import load_gguf_weights, quantized_stacks
 from ..checkpoint.loader import load_weights, read_config
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
 from .model.ple import NGramEmbedding
+from .model.quantized import keep_quantized
 
 log = logging.getLogger("qwen4exp.engine")
 
@@ -27,10 +28,13 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> Qwen4ExpForCausalLM:
-    """Allocate the model on `device` without initialising weights (a load fills them)."""
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                quantized: dict[str, tuple[str, tuple[int, int, int]]] | None = None) -> Qwen4ExpForCausalLM:
+    """Allocate the model on `device` without initialising weights (a load fills them); `quantized` names the
+    expert stacks kept as GGML blocks ({runtime name: (block type, shape)}, model/quantized.py)."""
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(cfg)
+        keep_quantized(model, quantized or {}, dtype)
     model = model.to(dtype=dtype).to_empty(device=device)
     # The hash constants are derived, not learned: recompute them (a checkpoint's copy must agree).
     for module in model.modules():
@@ -53,7 +57,7 @@ def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | to
     if is_gguf(path):
         checkpoint = GGUFCheckpoint(path)
         cfg = checkpoint.model_config()
-        model = build_model(cfg, dtype, device)
+        model = build_model(cfg, dtype, device, quantized_stacks(checkpoint, cfg))
         report = load_gguf_weights(checkpoint, model, cfg)
         log.info("loaded %s: %s", path, report)
         return model

@@ -20,6 +20,7 @@ from ...kernels import delta_rule as delta_rule_kernels
 from ...kernels import gated_norm, hyper, moe, qsa_attention, qsa_select, rope, router, row_products
 from . import conv, delta_rule, qsa
 from .ops import TorchOps
+from .quantized import is_quantized
 
 
 class TritonOps(TorchOps):
@@ -52,6 +53,8 @@ class TritonOps(TorchOps):
         return super().route(logits, top_k, normalize, step)
 
     def experts(self, x, ids, weights, experts, shared, step):
+        if is_quantized(experts):   # the fused kernels read dense stacks: GGML blocks take the torch form
+            return super().experts(x, ids, weights, experts, shared, step)
         if step.decode:
             return moe.moe_rows(x, ids, weights, experts.gate_up_proj, experts.down_proj, step.flags, shared)
         routed = moe.moe_grouped(x, ids, weights, experts.gate_up_proj, experts.down_proj)
