@@ -149,13 +149,13 @@ def test_the_daemon_reads_a_gguf_tokenizer_without_importing_torch():
     assert out.stdout.strip() == "False"
 
 
-def write_tiny(path: Path, mix: str, model=None, split_max_tensors: int = 0) -> Path:
+def write_tiny(path: Path, mix: str, model=None, split_max_tensors: int = 0, text: dict | None = None) -> Path:
     from qwen4exp.checkpoint.gguf_writer import write_gguf
     from qwen4exp.checkpoint.presets import preset_config
     from qwen4exp.checkpoint.random_weights import random_model
     from qwen4exp.checkpoint.tokenizer_builder import build_tokenizer, chat_template
 
-    text = preset_config("tiny", dtype="float32")["text_config"]
+    text = text or preset_config("tiny", dtype="float32")["text_config"]
     model = model if model is not None else random_model("tiny", dtype="float32", device="cpu", seed=0)
     return write_gguf(path, model, text, json.loads(build_tokenizer(text).to_str()), chat_template(), mix=mix,
                       split_max_tensors=split_max_tensors)
@@ -239,3 +239,27 @@ def test_a_tensor_of_the_wrong_shape_is_named_before_anything_is_copied(monkeypa
     with pytest.raises(CheckpointError, match=r"blk\.6\.ssm_out\.weight has shape \[7, 7\].*expects \[64, 64\]"):
         load_gguf_weights(checkpoint, model, config)
     assert all(not tensor.any() for tensor in model.state_dict().values())
+
+
+def test_the_ple_table_stays_quantized_and_answers_as_its_float32_twin(tmp_path):
+    """The tiny preset's table rows (4 values) take no block type: here 32 values a head, in IQ4_NL and Q8_0."""
+    from qwen4exp.checkpoint.presets import preset_config
+    from qwen4exp.checkpoint.random_weights import fill_random
+    from qwen4exp.engine.loading import build_model
+    from qwen4exp.engine.model.config import ModelConfig
+
+    text = dict(preset_config("tiny", dtype="float32")["text_config"], ple_embed_dim=512)
+    model = build_model(ModelConfig.from_dict(text), torch.float32, torch.device("cpu"))
+    fill_random(model, text, seed=0, dtype=torch.float32)
+    for mix in ("IQ4_NL", "Q8_0"):
+        quantized = load_model(str(write_tiny(tmp_path / f"{mix}.gguf", mix, model=model, text=text)),
+                               dtype="float32", device="cpu", progress=False)
+        table = quantized.model.layers[1].ple.ple_embedding.ngram_embedding
+        assert isinstance(table, QuantizedStack) and table.qtype == mix
+        twin = load_model(str(write_tiny(tmp_path / f"{mix}_f32.gguf", "f32", model=quantized, text=text)),
+                          dtype="float32", device="cpu", progress=False)
+        assert greedy(quantized) == greedy(twin)
+        state = SequenceState(quantized.config, 64, "cpu", torch.float32)
+        ids = torch.arange(30) * 11 % 1000
+        assert torch.equal(quantized(ids, state, all_logits=True),
+                           twin(ids, SequenceState(twin.config, 64, "cpu", torch.float32), all_logits=True))

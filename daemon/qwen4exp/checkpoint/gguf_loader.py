@@ -15,22 +15,36 @@ from ..engine.model.quantized import QuantizedStack
 from .gguf_file import GGUFCheckpoint
 from .loader import LoadReport
 
+# What stays quantized: the expert stacks (indexed by expert) and the PLE table (an embedding: the module itself
+# is replaced, so its name drops the ".weight" of the tensor the GGUF piece fills).
 _STACKS = (".experts.gate_up_proj", ".experts.down_proj")
+_TABLE = ".ple_embedding.ngram_embedding.weight"
 
 
-def quantized_stacks(checkpoint: GGUFCheckpoint, config) -> dict[str, tuple[str, tuple[int, int, int]]]:
-    """The expert stacks to keep quantized: {runtime name: (block type, shape)}, for each stack whose GGUF
-    tensors (gate and up, or down) hold one block type with a torch form."""
+def _kept_name(target: str) -> str | None:
+    if target.endswith(_STACKS):
+        return target
+    return target.removesuffix(".weight") if target.endswith(_TABLE) else None
+
+
+def quantized_stacks(checkpoint: GGUFCheckpoint, config) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The weights to keep quantized: {runtime name: (block type, shape)}, for each expert stack and PLE table
+    whose GGUF tensors (gate and up, down, the table) hold one block type with a torch form."""
     parts: dict[str, list[gguf_layout.Piece]] = {}
     for piece in gguf_layout.pieces(config):
-        if piece.target.endswith(_STACKS):
-            parts.setdefault(piece.target, []).append(piece)
+        name = _kept_name(piece.target)
+        if name is not None:
+            parts.setdefault(name, []).append(piece)
     stacks = {}
-    for target, pieces in parts.items():
-        types = {checkpoint.type_name(piece.gguf) for piece in pieces if piece.gguf in checkpoint.tensors}
-        if len(types) == 1 and next(iter(types)) in LAYOUTS and all(p.gguf in checkpoint.tensors for p in pieces):
-            experts, rows, cols = checkpoint.shape(pieces[0].gguf)
-            stacks[target] = (types.pop(), (experts, rows * len(pieces), cols))
+    for name, pieces in parts.items():
+        if not all(piece.gguf in checkpoint.tensors for piece in pieces):
+            continue                                 # named as missing by the load
+        types = {checkpoint.type_name(piece.gguf) for piece in pieces}
+        if len(types) == 1 and next(iter(types)) in LAYOUTS:
+            shape = checkpoint.shape(pieces[0].gguf)
+            if len(pieces) > 1:                      # gate and up: one stack of both halves' rows
+                shape = (shape[0], shape[1] * len(pieces), shape[2])
+            stacks[name] = (types.pop(), shape)
     return stacks
 
 
@@ -49,7 +63,7 @@ def load_gguf_weights(checkpoint: GGUFCheckpoint, module: torch.nn.Module, confi
                               f"({', '.join(missing[:5]) or 'none'}); {len(unexpected)} match nothing in the model "
                               f"({', '.join(unexpected[:5]) or 'none'})")
     stacks = {name: module for name, module in module.named_modules() if isinstance(module, QuantizedStack)}
-    parts = [_part(stacks.get(piece.target) or targets[piece.target], piece) for piece in pieces]
+    parts = [_part(stacks.get(_kept_name(piece.target)) or targets[piece.target], piece) for piece in pieces]
     for piece, part in zip(pieces, parts):      # every shape, from the headers, before the first copy
         expected = tuple(piece.to_gguf(torch.empty(part.shape, device="meta")).shape)
         if checkpoint.shape(piece.gguf) != expected:
@@ -70,15 +84,16 @@ def load_gguf_weights(checkpoint: GGUFCheckpoint, module: torch.nn.Module, confi
 
 
 class _StackPart:
-    """The rows of a QuantizedStack one GGUF tensor fills (all of it, or gate's or up's half of gate_up)."""
+    """The part of a QuantizedStack one GGUF tensor fills (all of it, or gate's or up's rows of gate_up)."""
 
     def __init__(self, stack: QuantizedStack, piece: gguf_layout.Piece):
-        rows = slice(0, stack.shape[1]) if piece.rows is None else piece.rows
-        self.stack, self.rows = stack, rows
-        self.shape = (stack.shape[0], rows.stop - rows.start, stack.shape[2])
+        self.stack, self.rows = stack, piece.rows
+        self.shape = stack.shape if piece.rows is None else \
+            (stack.shape[0], piece.rows.stop - piece.rows.start, *stack.shape[2:])
 
     def copy_blocks(self, raw: torch.Tensor) -> None:
-        self.stack.blocks[:, self.rows].copy_(raw.reshape(self.stack.blocks[:, self.rows].shape))
+        blocks = self.stack.blocks if self.rows is None else self.stack.blocks[:, self.rows]
+        blocks.copy_(raw.reshape(blocks.shape))
 
 
 def _part(target, piece: gguf_layout.Piece):

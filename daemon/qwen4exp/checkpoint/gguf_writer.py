@@ -129,9 +129,9 @@ def write_gguf(path: str | Path, model: torch.nn.Module, text_config: dict, toke
         writer.add_key_value(key, value, GGUFValueType["ARRAY" if element else kind],
                              sub_type=GGUFValueType[element] if element else None)
     targets = model.state_dict()
-    for name, module in model.named_modules():        # quantized expert stacks are written from their values
+    for name, module in model.named_modules():        # quantized weights are written from their values
         if isinstance(module, QuantizedStack):
-            targets[name] = module.dequantize()
+            targets[name] = targets[f"{name}.weight"] = module.dequantize()   # a stack, or an embedding's table
     for index, piece in enumerate(gguf_layout.pieces(cfg)):
         target = targets[piece.target].float()
         part = target if piece.rows is None else target.narrow(piece.axis, piece.rows.start,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..state import PLEState
@@ -83,8 +82,8 @@ class NGramEmbedding(nn.Module):
         history = torch.cat((context_ids, token_ids.long()))
         rows = self.hash_ids(history, n)
         context_ids.copy_(history[-context_ids.numel():])
-        table = self.ngram_embedding.weight
-        return F.embedding(rows.to(table.device), table).to(token_ids.device).flatten(-2)
+        table = next(iter(self.ngram_embedding.state_dict(keep_vars=True).values()))   # its weight, or its blocks
+        return self.ngram_embedding(rows.to(table.device)).to(token_ids.device).flatten(-2)
 
     def step_rows(self, token_ids: torch.Tensor, context_ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """One token per row (token_ids [N], context ids [N, ngram_size - 1]): embeddings [N, ple_embed_dim]; the
@@ -97,8 +96,7 @@ class NGramEmbedding(nn.Module):
             crossed = (history[:, -1 - s:-1] == self.eos).any(dim=1)
             shifted.append(torch.where(crossed, eos, history[:, -1 - s]))
         context_ids.copy_(torch.where(active[:, None], history[:, 1:], context_ids))
-        table = self.ngram_embedding.weight
-        return F.embedding(self._hash(shifted), table).flatten(-2)
+        return self.ngram_embedding(self._hash(shifted)).flatten(-2)
 
 
 class PLELayer(nn.Module):

@@ -1,10 +1,12 @@
-"""Expert weights kept as GGML blocks, as a quantized GGUF stores them: 95% of the model's bytes stay quantized.
+"""Weights kept as GGML blocks, as a quantized GGUF stores them: the expert stacks (95% of the model's bytes) and
+the PLE table (its largest tensor) stay quantized.
 
-A `QuantizedStack` stands where `Experts` keeps a dense [E, rows, cols] parameter: `blocks` is uint8
-[E, rows, row bytes] of one block type, and indexing it by expert (an int or a tensor of ids, as the torch forms
-of the experts index the dense stacks) gives those experts' weights dequantized (quant_blocks.py, bit for bit
-llama.cpp's values) in the model's dtype. The torch forms therefore run unchanged on it; the Triton backend runs
-the torch form for a quantized stack until its kernels read the blocks themselves.
+A `QuantizedStack` stands where the model keeps a dense tensor read by rows of its first axis: `Experts`'
+[E, rows, cols] stacks, and the PLE's [rows, dim] embedding table. `blocks` is uint8 [..., row bytes] of one
+block type; indexing it (an int or a tensor of ids, as the torch forms index the dense tensors), or calling it as
+an embedding, gives those entries dequantized (quant_blocks.py, bit for bit llama.cpp's values) in the model's
+dtype. The torch forms therefore run unchanged on it; the Triton backend runs the torch form for quantized
+experts until its kernels read the blocks themselves.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from . import quant_blocks
 
 
 class QuantizedStack(nn.Module):
-    def __init__(self, qtype: str, shape: tuple[int, int, int], dtype: torch.dtype):
+    def __init__(self, qtype: str, shape: tuple[int, ...], dtype: torch.dtype):
         super().__init__()
         values, size = quant_blocks.LAYOUTS[qtype]
         if shape[-1] % values:
@@ -25,8 +27,12 @@ class QuantizedStack(nn.Module):
         self.register_buffer("blocks", torch.empty(*shape[:-1], shape[-1] // values * size, dtype=torch.uint8))
 
     def __getitem__(self, index) -> torch.Tensor:
-        """The experts `index` selects, dequantized: [rows, cols] for an int, [n, rows, cols] for n ids."""
+        """The entries `index` selects along the first axis, dequantized (an expert's [rows, cols] for an int)."""
         return quant_blocks.dequantize(self.blocks[index], self.qtype).to(self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """As an embedding table: the rows of `ids` (any shape) -> [*ids.shape, dim]."""
+        return self[ids]
 
     def dequantize(self) -> torch.Tensor:
         return self[:]
@@ -47,9 +53,9 @@ def is_quantized(experts: nn.Module) -> bool:
     return isinstance(experts.gate_up_proj, QuantizedStack) or isinstance(experts.down_proj, QuantizedStack)
 
 
-def keep_quantized(model: nn.Module, stacks: dict[str, tuple[str, tuple[int, int, int]]], dtype: torch.dtype) -> None:
-    """Put a QuantizedStack of (type, shape) in place of each named dense stack of `model` (built on meta, before
-    its memory is allocated, so the dense stacks never are)."""
+def keep_quantized(model: nn.Module, stacks: dict[str, tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> None:
+    """Put a QuantizedStack of (type, shape) in place of each named dense tensor or embedding module of `model`
+    (built on meta, before its memory is allocated, so the dense ones never are)."""
     for name, (qtype, shape) in stacks.items():
         owner_name, attr = name.rsplit(".", 1)
         owner = model.get_submodule(owner_name)
