@@ -18,6 +18,8 @@ from . import quant_blocks
 
 
 class QuantizedStack(nn.Module):
+    """A tensor of `shape` kept as `qtype` blocks, read by entries of its first axis (see the module's text)."""
+
     def __init__(self, qtype: str, shape: tuple[int, ...], dtype: torch.dtype):
         super().__init__()
         values, size = quant_blocks.LAYOUTS[qtype]
