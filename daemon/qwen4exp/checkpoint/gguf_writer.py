@@ -20,11 +20,6 @@ from ..engine.model.quantized import QuantizedStack
 from . import gguf_blocks, gguf_layout
 from .gguf_metadata import ARCH, metadata_for
 
-# The tensors llama.cpp's converter keeps in F32 whatever the file's type: 1-D ones, norms, routers, the
-# Gated DeltaNet's conv, A and dt bias.
-_FLOAT32_NAMES = re.compile(r"(_norm\.weight|ffn_gate_inp\.weight|ffn_gate_inp_shexp\.weight|ssm_conv1d\.weight"
-                            r"|ssm_a|ssm_dt\.bias)$")
-
 # unsloth's UD-Q4_K_XL of Qwen3.8-Flash-Next, as published (docs/PRODUCT.md): experts' gate/up Q4_K, down Q5_1
 # (Q8_0 on layers 2, 4, 30, 46, 47), the indexer BF16, the PLE table IQ4_NL, every other matrix Q8_0. (The
 # publication names one layer whose gate/up are Q5_K without saying which; all are Q4_K here.)
@@ -41,10 +36,12 @@ def _block(qtype: str) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][0]
 
 
-def tensor_type(name: str, shape: tuple[int, ...], mix: str) -> str:
-    """The GGML type of tensor `name` (GGUF name; `shape` in torch order) at `mix` (one of MIXES or ONE_TYPE). A
+def tensor_type(piece: gguf_layout.Piece, shape: tuple[int, ...], mix: str) -> str:
+    """The GGML type of `piece`'s tensor (`shape` in torch order) at `mix` (one of MIXES or ONE_TYPE): F32 for
+    1-D tensors and those llama.cpp keeps in F32 (norms, routers, the Gated DeltaNet's conv, A and dt bias). A
     type whose blocks do not divide the rows falls back to Q8_0, then F16, as llama.cpp's tools do."""
-    if mix == "f32" or len(shape) == 1 or _FLOAT32_NAMES.search(name):
+    name = piece.gguf
+    if mix == "f32" or len(shape) == 1 or piece.float32:
         return "F32"
     wanted = mix if mix in ONE_TYPE else {"bf16": "BF16", "q8_0": "Q8_0"}.get(mix) or _ud_q4_k_xl(name)
     for qtype in (wanted, "Q8_0", "F16"):
@@ -137,7 +134,7 @@ def write_gguf(path: str | Path, model: torch.nn.Module, text_config: dict, toke
         part = target if piece.rows is None else target.narrow(piece.axis, piece.rows.start,
                                                                piece.rows.stop - piece.rows.start)
         values = piece.to_gguf(part.contiguous())
-        qtype = tensor_type(piece.gguf, tuple(values.shape), mix)
+        qtype = tensor_type(piece, tuple(values.shape), mix)
         data = encode(values, qtype, seed * 100003 + index)
         writer.add_tensor(piece.gguf, data, raw_dtype=None if qtype in ("F32", "F16") else GGMLQuantizationType[qtype])
     writer.write_header_to_file()
