@@ -1,8 +1,8 @@
 """Speed of the engine on one device, each figure beside its roofline (issue 7, item 1).
 
-    python bench/speed.py (--checkpoint DIR | --random-weights --preset bench --layers 8) --dtype bfloat16 \
-        --device cuda --out results.json [--slots 4] [--prefill 4096,16384,65536] [--decode-steps 64] \
-        [--compare-transformers]
+    python bench/speed.py (--checkpoint DIR | --random-weights --preset bench --layers 8 [--quant ud-q4_k_xl]) \
+        --dtype bfloat16 --device cuda --out results.json [--slots 4] [--prefill 4096,16384,65536] \
+        [--decode-steps 64] [--fit] [--compare-transformers]
 
 Measured, in this order (the JSON is rewritten after each part, so a crash keeps what was done):
 
@@ -10,8 +10,10 @@ Measured, in this order (the JSON is rewritten after each part, so a crash keeps
    and the dense matmul rate in the model dtype (n^3 random data, median);
 2. time from process start to ready: model built (random weights on the device, see
    qwen4exp.checkpoint.random_weights) or loaded, engine constructed, a first short request served (the
-   ceilings' own seconds are taken out); then one chunk-sized prompt so that every prefill kernel is
-   compiled before anything is timed;
+   ceilings' own seconds are taken out; with --fit, the fit of the largest context for --slots slots runs
+   between the model and the engine, and its seconds are reported apart and taken out too); then one
+   chunk-sized prompt so that every prefill kernel is compiled before anything is timed. With --quant, the
+   weights a GGUF of that mix keeps quantized are random blocks, and the roofline counts their bytes;
 3. decode ms per step with 1, 2, 4 busy slots of an engine with --slots slots (short prompts, timed after
    warm-up steps, synchronised around the block). Roofline per step = the bytes a step must move / the
    measured copy bandwidth: every dense weight once (all parameters but the routed experts, the token
@@ -46,6 +48,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import shlex
@@ -57,9 +60,11 @@ from pathlib import Path
 
 import torch
 
+from qwen4exp.checkpoint.gguf_writer import MIXES, ONE_TYPE
 from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.engine_config import EngineConfig
 from qwen4exp.engine.loading import DTYPES, load_model, resolve_device
+from qwen4exp.engine.model.quantized import QuantizedStack
 from qwen4exp.engine.request import FinishReason, Request
 
 GiB = 1 << 30
@@ -202,6 +207,11 @@ class Work:
                 group = "dense"
             groups[group] += p.numel()
             group_bytes[group] += p.numel() * p.element_size()
+        for name, module in model.named_modules():          # a GGUF's experts and PLE table, kept as blocks
+            if isinstance(module, QuantizedStack):
+                group = "routed" if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) else "ngram"
+                groups[group] += math.prod(module.shape)
+                group_bytes[group] += module.blocks.numel()
         self.moe_layers = cfg.num_hidden_layers
         self.expert_params = 3 * cfg.moe_intermediate_size * cfg.hidden_size
         expected = self.moe_layers * cfg.num_experts * self.expert_params
@@ -209,11 +219,12 @@ class Work:
             raise RuntimeError(f"found {groups['routed']} routed-expert parameters, the config implies {expected}: "
                                "the parameter names changed; update Work in bench/speed.py")
         self.params, self.bytes = groups, group_bytes
-        self.expert_bytes = self.expert_params * self.param_bytes
+        self.expert_bytes = group_bytes["routed"] / (self.moe_layers * cfg.num_experts)
         self.gdn_layers = sum(not cfg.is_qsa(i) for i in range(cfg.num_hidden_layers))
         self.qsa_layers = cfg.num_hidden_layers - self.gdn_layers
         self.ple_layers = len(cfg.ple_layer_ids)
         self.ngram_row_dim = cfg.ple_embed_dim // cfg.ngram_heads
+        self.ngram_row_bytes = group_bytes["ngram"] * self.ngram_row_dim / max(groups["ngram"], 1)
 
     def summary(self) -> dict:
         return {"parameters": self.params, "parameter_bytes": self.bytes,
@@ -245,7 +256,7 @@ class Work:
         parts = {
             "dense_weights": self.bytes["dense"] + self.bytes["lm_head"],
             "embedding_rows": rows * c.hidden_size * self.param_bytes,
-            "ngram_rows": rows * self.ple_layers * c.ngram_heads * self.ngram_row_dim * self.param_bytes,
+            "ngram_rows": rows * self.ple_layers * c.ngram_heads * self.ngram_row_bytes,
             "routed_experts": self.moe_layers * self.distinct_experts(rows) * self.expert_bytes,
             "state": sum(self.state_bytes(n) for n in contexts),
         }
@@ -495,6 +506,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default="bench", choices=("tiny", "bench", "full"), help="with --random-weights")
     p.add_argument("--layers", type=int, default=None, help="with --random-weights: cut the preset to N layers")
     p.add_argument("--seed", type=int, default=0, help="with --random-weights")
+    p.add_argument("--quant", default=None, choices=MIXES + ONE_TYPE,
+                   help="with --random-weights: the weights a GGUF of this mix keeps quantized are random blocks, "
+                        "built in place (--preset full --quant ud-q4_k_xl: the full model as users run it)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="auto")
     p.add_argument("--out", required=True, help="the results JSON")
@@ -518,9 +532,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--copy-mib", type=int, default=0, help="copy-bandwidth buffer (0: 4096 on a GPU, 256 on CPU)")
     p.add_argument("--matmul-size", type=int, default=0, help="n of the n^3 matmul (0: 8192 on a GPU, 1024 on CPU)")
     p.add_argument("--ceiling-reps", type=int, default=10)
+    p.add_argument("--ple", choices=("device", "host"), default="device",
+                   help="with --quant: keep the quantized PLE table in pinned host memory (as ple = 'host' does)")
+    p.add_argument("--fit", action="store_true",
+                   help="also fit the largest context for --slots slots on the device, as max_ctx = 'auto' does")
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--hf-decode-steps", type=int, default=16, help="transformers decode steps timed")
     args = p.parse_args(argv)
+    if args.quant and not args.random_weights:
+        p.error("--quant goes with --random-weights (a GGUF checkpoint has its own types)")
+    if args.ple == "host" and not args.quant:
+        p.error("--ple host keeps a quantized PLE table on the host: add --quant")
+    if args.quant and args.compare_transformers:
+        p.error("--compare-transformers runs on dense weights; drop --quant")
     if args.layers is not None and not args.random_weights:
         p.error("--layers goes with --random-weights (a checkpoint has its own layer count)")
     if args.chunk % args.restore_spacing:
@@ -569,7 +593,11 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
     if args.random_weights:
         from qwen4exp.checkpoint.presets import preset_config
         from qwen4exp.checkpoint.random_weights import random_model
-        model = random_model(args.preset, args.layers, dtype, device, seed=args.seed)
+        model = random_model(args.preset, args.layers, dtype, device, seed=args.seed, quant=args.quant)
+        if args.ple == "host":
+            from qwen4exp.engine.loading import quantized_ple_tables
+            for ple_table in quantized_ple_tables(model):
+                ple_table.keep_on_host()
         text_config = preset_config(args.preset, args.layers, dtype=args.dtype)["text_config"]
     else:
         model = load_model(args.checkpoint, dtype=dtype, device=device, progress=False)
@@ -579,7 +607,19 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
     cfg, work = model.config, Work(model)
     limit = cfg.eos_token_id
     result["model"] = {"source": args.checkpoint or f"random {args.preset}", "layers": cfg.num_hidden_layers,
-                       "dtype": args.dtype, **work.summary()}
+                       "dtype": args.dtype, "quant": args.quant, "ple": args.ple, **work.summary()}
+
+    fit_s = 0.0
+    if args.fit:     # what `max_ctx = "auto"` would serve with --slots slots (the daemon's fit, measured here)
+        from qwen4exp.engine.fit import fit_context
+        fitted = fit_context(model, slots=args.slots, device=device, snapshots_on_device=False)
+        result["fit"] = {"slots": args.slots, "context": fitted.context, "chunk": fitted.chunk,
+                         "seconds": fitted.seconds, "notes": fitted.notes,
+                         "weights_bytes": fitted.measured.weights if fitted.measured else None,
+                         "capacity_bytes": fitted.measured.capacity if fitted.measured else None}
+        release(device)
+        fit_s = fitted.seconds
+        save()
 
     runs = [n for n in args.prefill if n <= args.max_prefill]
     needed = max([*runs, args.decode_prompt + args.decode_warmup + args.decode_steps + max(args.busy) + 3,
@@ -606,7 +646,7 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
     logits = probe.close()
     result["startup"] = {
         "compile_decode": args.compile_decode, "model_s": model_s, "engine_s": engine_s, "first_request_s": warmup_s,
-        "ready_s": ready - started_at - ceilings_s, "ready_s_with_ceilings": ready - started_at,
+        "ready_s": ready - started_at - ceilings_s - fit_s, "ready_s_with_ceilings": ready - started_at - fit_s,
         "prefill_warmup_s": time.perf_counter() - t, "context": context, "logits": logits}
     if logits["finite"] is False:
         raise RuntimeError("the warm-up's logits are not all finite")

@@ -133,3 +133,30 @@ def test_speed_smoke(tmp_path):
     plots = load_script("plot_speed").main([str(out), "--out-dir", str(tmp_path / "plots")])
     assert [p.name for p in plots] == ["speed_decode.png", "speed_prefill.png", "speed_ttft.png"]
     assert all(p.stat().st_size > 10_000 for p in plots)
+
+
+def test_speed_on_a_random_gguf_mix_counts_the_blocks_a_step_reads(tmp_path):
+    """--quant builds the mix's quantized weights as random blocks in place; the roofline counts their bytes."""
+    from qwen4exp.engine.model.quant_blocks import LAYOUTS
+
+    speed = load_script("speed")
+    out = tmp_path / "speed.json"
+    r = speed.main(["--random-weights", "--preset", "tiny", "--quant", "ud-q4_k_xl", "--device", "cpu", "--dtype",
+                    "float32", "--out", str(out), "--slots", "2", "--chunk", "32", "--restore-spacing", "16",
+                    "--prefill", "64", "--ttft-tokens", "64", "--restore-tokens", "32", "--decode-steps", "2",
+                    "--decode-warmup", "1", "--busy", "1,2", "--copy-mib", "8", "--matmul-size", "256",
+                    "--ceiling-reps", "3"])
+    cfg = ModelConfig.from_dict(preset_config("tiny"))
+    hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    # tiny's 64-wide rows take Q8_0 for gate/up (Q4_K needs 256); down rows are Q5_1 but on layers 2 and 4 (Q8_0)
+    def row_bytes(qtype: str, values: int) -> int:
+        return values // LAYOUTS[qtype][0] * LAYOUTS[qtype][1]
+
+    down = (6 * row_bytes("Q5_1", inter) + 2 * row_bytes("Q8_0", inter)) / 8
+    blocks_per_expert = 2 * inter * row_bytes("Q8_0", hidden) + hidden * down
+    assert r["model"]["quant"] == "ud-q4_k_xl"
+    assert r["model"]["bytes_per_expert"] == blocks_per_expert
+    assert r["startup"]["logits"]["finite"] is True
+    assert all(d["roofline_bytes"]["routed_experts"] > 0 and d["ms_per_step"] > 0 for d in r["decode"])
+    with pytest.raises(SystemExit):
+        speed.parse_args(["--checkpoint", "x", "--quant", "q8_0", "--out", "y"])

@@ -18,7 +18,8 @@ def test_the_tiny_profile_is_the_engine_it_describes():
     config = EngineConfig.from_settings(load_settings("tiny", env={}))
     assert config == EngineConfig(model=str(EMBEDDED_MODEL), device="cpu", dtype="float32", slots=4, max_ctx=4096,
                                   chunk=64, restore_spacing=64, prefix_cache=True, prefix_cache_limit=64 * MiB,
-                                  device_memory_limit=None, queue_limit=64, cuda_graphs=True, compile_decode=False)
+                                  device_memory_limit=None, queue_limit=64, cuda_graphs=True, compile_decode=False,
+                                  ple="auto")
 
 
 def test_a_gpu_profile_takes_the_automatic_chunk_and_its_devices_limit(tmp_path):
@@ -55,6 +56,7 @@ def test_the_daemon_sends_it_to_the_worker_without_importing_torch():
     ({"prefix_cache_limit": -1}, "prefix_cache_limit"),
     ({"device_memory_limit": 0}, "device_memory_limit"),
     ({"cuda_graphs": "yes"}, "cuda_graphs"),
+    ({"ple": "gpu"}, "ple"),
 ])
 def test_a_bad_value_is_refused_naming_its_key(changes, key):
     with pytest.raises(ValueError, match=rf"engine setting {key} must be"):
@@ -70,3 +72,44 @@ def test_an_automatic_context_must_be_resolved_before_the_engine_is_built(tiny_c
         Engine.from_config(model, config)
     engine = Engine.from_config(model, config, context=256)
     assert (len(engine.pool.slots), engine.context, engine.chunk) == (2, 256, 32)
+
+
+def quantized_table_model(tmp_path, mix: str = "IQ4_NL", ple_on_host: bool = False):
+    """A tiny GGUF whose PLE table is kept quantized (32 values a head), loaded on the CPU."""
+    import torch
+
+    from qwen4exp.checkpoint.presets import preset_config
+    from qwen4exp.checkpoint.random_weights import fill_random
+    from qwen4exp.engine.loading import build_model, load_model
+    from qwen4exp.engine.model.config import ModelConfig
+    from test_gguf import write_tiny
+
+    text = dict(preset_config("tiny", dtype="float32")["text_config"], ple_embed_dim=512)
+    model = build_model(ModelConfig.from_dict(text), torch.float32, torch.device("cpu"))
+    fill_random(model, text, seed=0, dtype=torch.float32)
+    path = write_tiny(tmp_path / "table.gguf", mix, model=model, text=text)
+    return path, load_model(str(path), dtype="float32", device="cpu", progress=False, ple_on_host=ple_on_host)
+
+
+def test_ple_auto_moves_a_quantized_table_to_the_host_when_that_fits_a_longer_context(tmp_path, monkeypatch):
+    """The decision alone (the GPU suite runs the table from host memory): with the table on the GPU the fit falls
+    short of the trained context, with it on the host it fits more, so auto moves it and says so."""
+    import torch
+
+    from qwen4exp.engine import fit
+    from qwen4exp.engine.loading import quantized_ple_tables
+
+    _, model = quantized_table_model(tmp_path)
+    (table,) = quantized_ple_tables(model)
+
+    def fitted(value, model, **settings):      # a GPU's fit: room for more positions once the table left it
+        result = fit.FitResult(context=16384 if table.host else 8192, chunk=512, plan=None, seconds=0.0)
+        return fit.ContextChoice(result.context, result)
+
+    monkeypatch.setattr(fit, "resolve_max_ctx", fitted)
+    monkeypatch.setattr(EngineConfig, "fit_settings", lambda self, device: {})
+    gpu = torch.device("cuda", 0)
+    assert EngineConfig(ple="device").resolve_context(model, gpu).context == 8192 and not table.host
+    choice = EngineConfig(ple="auto").resolve_context(model, gpu)
+    assert choice.context == 16384 and table.host
+    assert any("PLE table" in note and "16384" in note for note in choice.fit.notes)

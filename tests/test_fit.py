@@ -17,6 +17,7 @@ from qwen4exp.engine.fit_measure import Verification, measure_state, verify_cont
 from qwen4exp.engine.memory import DeviceMemoryError, device_memory_limit, set_device_memory_limit
 
 MiB = 1 << 20
+CPU = torch.device("cpu")
 STEP = 4096
 
 
@@ -62,9 +63,9 @@ def test_the_fit_is_safe_and_tight_when_allocated_and_run(model, name, cap, requ
     result = request.getfixturevalue(name)
     available = int(cap * 0.9)
     assert result.verifications[0].available == available
-    cpu, weights = torch.device("cpu"), weight_bytes(model)
-    at = verify_context(model, cpu, result.context, [256], 4, True, weights, available)[0]
-    above = verify_context(model, cpu, result.context + STEP, [256], 4, True, weights, available)[0]
+    weights = weight_bytes(model, CPU)
+    at = verify_context(model, CPU, result.context, [256], 4, True, weights, available)[0]
+    above = verify_context(model, CPU, result.context + STEP, [256], 4, True, weights, available)[0]
     assert at.fits and not above.fits, (result.context, at.needed, above.needed, available)
 
 
@@ -162,7 +163,7 @@ def test_cap_below_the_floor_names_what_is_missing(model, cap, when):
     caches = f"{4 * (fixed + per_position * 4096) / MiB:.1f} MiB"          # the plan writes one decimal
     for words in (f"cannot fit 4 slot(s) on cpu with {cap}.00 MiB (memory limit) and 10% headroom{when}:",
                   "context 4096 is the floor and still does not fit: device 'cpu' needs", "more (needed",
-                  f"weights {weight_bytes(model) / MiB:.1f} MiB", f"caches {caches}", f"snapshots {caches}",
+                  f"weights {weight_bytes(model, CPU) / MiB:.1f} MiB", f"caches {caches}", f"snapshots {caches}",
                   "available"):
         assert words in text, (words, text)
     workspace = text.split("chunk workspace ")[1].split(" +")[0]

@@ -263,3 +263,17 @@ def test_the_ple_table_stays_quantized_and_answers_as_its_float32_twin(tmp_path)
         ids = torch.arange(30) * 11 % 1000
         assert torch.equal(quantized(ids, state, all_logits=True),
                            twin(ids, SequenceState(twin.config, 64, "cpu", torch.float32), all_logits=True))
+
+
+def test_a_quantized_ple_table_can_be_kept_in_host_memory(tmp_path, tiny_checkpoint):
+    """ple = 'host': the table's blocks stay on the host through the model's casts and moves (the GPU suite reads
+    them from there); a table that is not quantized is refused, by what it is."""
+    from test_engine_config import quantized_table_model
+
+    path, on_host = quantized_table_model(tmp_path, ple_on_host=True)
+    table = on_host.model.layers[1].ple.ple_embedding.ngram_embedding
+    assert table.host and "on the host" in repr(table)
+    on_host.to(torch.bfloat16)
+    assert table.blocks.device.type == "cpu" and table.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="this model's table is not quantized"):
+        load_model(str(tiny_checkpoint), dtype="float32", device="cpu", progress=False, ple_on_host=True)

@@ -1,6 +1,7 @@
 """The serving engine on a CUDA/ROCm device: the decode step replayed from a CUDA graph (torch.compile'd or not)
-gives every request the numbers it gets alone, the same as without the graph, warm or cold, and the float32
-engine follows the reference's greedy ids. Run on a GPU host with `pytest -m gpu`."""
+gives every request the numbers it gets alone, the same as without the graph, warm or cold (float32, bfloat16,
+and bfloat16 with a GGUF's quantized weights), and the float32 engine follows the reference's greedy ids. Run on a
+GPU host with `pytest -m gpu`."""
 
 from __future__ import annotations
 
@@ -19,16 +20,24 @@ from staggered import run_staggered
 
 pytestmark = pytest.mark.gpu
 DTYPES = ("float32", "bfloat16")
+GGUF = "bfloat16 from a UD-Q4_K_XL GGUF"     # experts and the PLE table kept as blocks (kernels/moe_blocks.py)
+NAMES = DTYPES + (GGUF,)
 CONTEXT, CHUNK = 512, 16
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=5)
 
 
 @pytest.fixture(scope="module")
-def models(tiny_checkpoint):
+def models(tiny_checkpoint, tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA/ROCm device")
     torch.backends.cuda.matmul.allow_tf32 = False
-    return {name: load_model(str(tiny_checkpoint), dtype=name, device="cuda", progress=False) for name in DTYPES}
+    models = {name: load_model(str(tiny_checkpoint), dtype=name, device="cuda", progress=False) for name in DTYPES}
+    from test_gguf import write_tiny
+
+    source = load_model(str(tiny_checkpoint), dtype="float32", device="cpu", progress=False)
+    gguf = write_tiny(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "ud-q4_k_xl", model=source)
+    models[GGUF] = load_model(str(gguf), dtype="bfloat16", device="cuda", progress=False)
+    return models
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -49,7 +58,7 @@ def _run(engine: Engine, specs: list[dict], starts: list[int]) -> list[list[int]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["graph", "compiled graph"])
-@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("name", NAMES)
 def test_graph_decode_alone_equals_together(models, name, compiled):
     engine = Engine(models[name], slots=4, context=CONTEXT, chunk=CHUNK, compile_decode=compiled)
     assert engine.decoder.graph is not None, "the decode step must be a CUDA graph on a GPU"
@@ -64,7 +73,7 @@ def test_graph_decode_alone_equals_together(models, name, compiled):
         print(f"{name}: compiled decode gives the eager step's tokens for {same} of {len(specs)} requests")
 
 
-@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("name", NAMES)
 def test_alone_equals_together_on_every_logits_row(models, name, monkeypatch):
     """Not only the tokens: every logits row a request's tokens come from is, bit for bit, the row it gets
     alone, whatever its neighbours do (prefill beside decode included)."""
@@ -77,7 +86,7 @@ def test_alone_equals_together_on_every_logits_row(models, name, monkeypatch):
             assert_same_logits(got, want, f"{name}, starts {starts}, {len(want.prompt_ids)}-token prompt")
 
 
-@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("name", NAMES)
 def test_warm_equals_cold_on_every_logits_row(models, name, monkeypatch):
     record_logits(monkeypatch)
     model = models[name]
@@ -94,7 +103,7 @@ def test_warm_equals_cold_on_every_logits_row(models, name, monkeypatch):
         assert_same_logits(got, want, f"{name}, {len(want.prompt_ids)}-token prompt, warm against cold")
 
 
-@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("name", NAMES)
 def test_graph_replay_equals_eager_decode(models, name):
     specs = _specs()
     graphed = _run(Engine(models[name], slots=4, context=CONTEXT, chunk=CHUNK), specs, [0, 1, 2, 3])
@@ -103,7 +112,7 @@ def test_graph_replay_equals_eager_decode(models, name):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["graph", "compiled graph"])
-@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("name", NAMES)
 def test_warm_equals_cold_from_pinned_host_snapshots(models, name, compiled):
     model = models[name]
     cache = PrefixCache(CHUNK, 1 << 30, SnapshotBackend.for_device(torch.device("cuda")),
@@ -134,3 +143,22 @@ def test_float32_engine_follows_reference_greedy_ids(models, tiny_checkpoint):
             out = reference.generate(ids, max_new_tokens=48, min_new_tokens=48, do_sample=False,
                                      eos_token_id=None, pad_token_id=0)
         assert got == out[0, len(prompt):].tolist()
+
+
+def test_a_quantized_ple_table_in_host_memory_gives_what_it_gives_on_the_device(tmp_path):
+    """The GPU reads the table's rows from pinned host memory in place (decode steps in CUDA graphs included):
+    every request's tokens are those of the table on the device, and the device holds the table's bytes less."""
+    from qwen4exp.engine.fit_measure import weight_bytes
+    from test_engine_config import quantized_table_model
+
+    path, _ = quantized_table_model(tmp_path)
+    gpu = torch.device("cuda", 0)
+    on_device = load_model(str(path), dtype="bfloat16", device=gpu, progress=False)
+    on_host = load_model(str(path), dtype="bfloat16", device=gpu, progress=False, ple_on_host=True)
+    table = on_host.model.layers[1].ple.ple_embedding.ngram_embedding
+    assert table.host and table.blocks.is_pinned()
+    assert weight_bytes(on_host, gpu) == weight_bytes(on_device, gpu) - table.blocks.numel()
+    specs = _specs()
+    starts = [0, 3, 7, 12]
+    assert (_run(Engine(on_host, slots=4, context=CONTEXT, chunk=CHUNK), specs, starts)
+            == _run(Engine(on_device, slots=4, context=CONTEXT, chunk=CHUNK), specs, starts))

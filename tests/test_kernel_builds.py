@@ -1,9 +1,9 @@
 """Every Triton kernel, at the shapes the engine launches for the bench and full presets (prompt chunks of 1-4096
-tokens, dense and ranked QSA, decode steps of 1-8 rows; bfloat16), compiled on the CPU for each GPU of
-guard.CHECKED_TARGETS: the H200's sm_90, sm_80, the R9700's gfx1201 and the Strix Halo's gfx1151. A kernel
-that does not build, or asks a block for more shared memory (LDS) than the target gives, is what an operator
-would meet as a crash at the first request; here it fails unless its op is in guard.NOT_BUILT for that target,
-where the engine runs the op's torch form instead."""
+tokens, dense and ranked QSA, decode steps of 1-8 rows; bfloat16, and GGUF weights in every block type),
+compiled on the CPU for each GPU of guard.CHECKED_TARGETS: the H200's sm_90, sm_80, the R9700's gfx1201 and the
+Strix Halo's gfx1151. A kernel that does not build, or asks a block for more shared memory (LDS) than the target
+gives, is what an operator would meet as a crash at the first request; here it fails unless its op is in
+guard.NOT_BUILT for that target, where the engine runs the op's torch form instead."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from qwen4exp.engine.model import backend, kernel_launches
 from qwen4exp.engine.model.config import ModelConfig
 from qwen4exp.engine.model.ops import TORCH_OPS, TorchOps
 from qwen4exp.engine.model.triton_ops import TRITON_OPS, TritonOps
-from qwen4exp.kernels import ahead_of_time, guard
+from qwen4exp.kernels import ahead_of_time, guard, quant_tiles
 
 triton = pytest.importorskip("triton")
 
@@ -30,13 +30,20 @@ META = torch.device("meta")
 
 
 @functools.cache
-def recorded(preset: str, target: str) -> tuple[ahead_of_time.Launch, ...]:
+def recorded(preset: str, target: str, quant: str | None = None, **shapes) -> tuple[ahead_of_time.Launch, ...]:
     config = ModelConfig.from_dict(preset_config(preset, dtype="bfloat16"))
-    return tuple(kernel_launches.record(config, guard.CHECKED_TARGETS[target]))
+    quantized = kernel_launches.quantized_for(config, quant) if quant else None
+    return tuple(kernel_launches.record(config, guard.CHECKED_TARGETS[target], quantized=quantized, **shapes))
 
 
 def engine_launches(target: str) -> list[ahead_of_time.Launch]:
-    return ahead_of_time.distinct(recorded("bench", target) + recorded("full", target))
+    """The bench and full presets in bfloat16 and as the UD-Q4_K_XL GGUF, and the bench preset's experts and PLE
+    table in each block type (prompt chunks and decode steps of two sizes: the block kernels' code is the same
+    at any)."""
+    launches = recorded("bench", target) + recorded("full", target) + recorded("full", target, "ud-q4_k_xl")
+    for qtype in quant_tiles.QTYPES:
+        launches += recorded("bench", target, qtype, chunks=(37, 512), decode_rows=(1, 4))
+    return ahead_of_time.distinct(launches)
 
 
 @pytest.mark.slow
@@ -64,6 +71,9 @@ def package_kernels() -> set[str]:
 def test_the_recorded_launches_reach_every_kernel_of_the_package():
     launched = {launch.name for launch in engine_launches("sm_90")}
     assert package_kernels() - launched == set()
+    block_types = {launch.constexprs[(list(launch.signature).index("QTYPE"),)]
+                   for launch in engine_launches("sm_90") if "QTYPE" in launch.signature}
+    assert block_types >= set(quant_tiles.QTYPES)     # every block type's in-register form, on every target
     ops = {launch.op for launch in engine_launches("sm_90")}
     assert ops <= {name for name in vars(TritonOps) if not name.startswith("_")}, ops
 
@@ -122,12 +132,13 @@ def test_the_recorded_launches_are_the_ones_the_gpu_runs_and_compile_to_its_bina
     target = guard.target_of(gpu)
     config = ModelConfig.from_dict(preset_config("tiny", dtype="bfloat16"))
     shapes = dict(chunks=(37, 512), decode_rows=(1, 3))
-    real = kernel_launches.record(config, target, device=gpu, **shapes)
-    meta = kernel_launches.record(config, target, **shapes)
-    assert len(real) > 10
-    assert {launch.key() for launch in real} == {launch.key() for launch in meta}
-    for launch in real:
-        assert ahead_of_time.build(launch, target).hash == launch.launched_hash, launch.describe()
+    for quantized in ({}, kernel_launches.quantized_for(config, "ud-q4_k_xl")):
+        real = kernel_launches.record(config, target, device=gpu, quantized=quantized, **shapes)
+        meta = kernel_launches.record(config, target, quantized=quantized, **shapes)
+        assert len(real) > 10
+        assert {launch.key() for launch in real} == {launch.key() for launch in meta}
+        for launch in real:
+            assert ahead_of_time.build(launch, target).hash == launch.launched_hash, launch.describe()
 
 
 def test_the_kernels_command_reports_each_build_for_a_target(capsys):

@@ -1,4 +1,5 @@
-"""The fused MoE Triton kernels (kernels/moe.py), run on the CPU through Triton's interpreter.
+"""The fused MoE Triton kernels (kernels/moe.py, and moe_blocks.py for expert stacks kept as GGML blocks, which
+dequantize in registers: quant_tiles.py), run on the CPU through Triton's interpreter.
 
 TRITON_INTERPRET must be set before Triton is imported, and another module of this pytest process may have
 imported Triton already (flash-linear-attention does, through kernels/delta_rule.py). So the checks run once, in
@@ -177,6 +178,92 @@ def check_cpu_models_take_the_torch_forms():
     assert torch.equal(out[[0, 2]], moe.experts_per_row(x, ids, weights, gate_up.float(), down.float())[[0, 2]])
 
 
+# Expert stacks kept as GGML blocks (kernels/moe_blocks.py): each pair (gate/up type, down type) as a GGUF may mix
+# them, together reaching every block type; K-quant and IQ4_XS rows hold whole 256-value blocks.
+BLOCK_PAIRS = [("Q4_K", "Q5_1"), ("Q5_K", "Q8_0"), ("Q6_K", "Q4_0"), ("IQ4_XS", "IQ4_NL"), ("Q4_1", "Q5_0"),
+               ("Q8_0", "Q6_K")]
+QH, QI = 256, 64
+
+
+def _stack(qtype: str, shape: tuple[int, ...], seed: int):
+    import torch
+
+    from qwen4exp.checkpoint.gguf_blocks import random_blocks
+    from qwen4exp.engine.model.quantized import QuantizedStack
+
+    stack = QuantizedStack(qtype, shape, torch.bfloat16)
+    stack.blocks.copy_(torch.from_numpy(random_blocks(qtype, shape, 0.05, seed)))
+    return stack
+
+
+def check_in_register_dequantization_is_the_torch_forms_bit_for_bit():
+    """quant_tiles.dequantize_groups, as every block kernel reads weights, against quant_blocks (itself held to
+    gguf.quants): random blocks reach every quant, sub-block scale and min pattern."""
+    import torch
+
+    from qwen4exp.checkpoint.gguf_blocks import random_blocks
+    from qwen4exp.engine.model.quant_blocks import LAYOUTS, dequantize
+    from qwen4exp.kernels.quant_tiles import QTYPES, dequantize_rows, gather_rows
+
+    for qtype in QTYPES:
+        for std, seed in ((0.02, 0), (3.0, 1)):
+            blocks = torch.from_numpy(random_blocks(qtype, (3, 2, 2 * max(256, LAYOUTS[qtype][0])), std, seed))
+            want = dequantize(blocks, qtype)
+            assert torch.equal(dequantize_rows(blocks, qtype).view(torch.int32), want.view(torch.int32)), qtype
+        table = blocks.reshape(6, -1)
+        ids = torch.tensor([[5, 0], [5, 2]])
+        assert torch.equal(gather_rows(table, qtype, ids, torch.bfloat16), want.reshape(6, -1)[ids].bfloat16())
+
+
+def check_block_stacks_give_their_dense_twins_results():
+    """moe_grouped over quantized stacks (tiles dequantized in the GEMMs, or the stacks dequantized whole for a
+    long chunk) gives what the dense kernel gives on the stacks' dense twins (the dequantized experts in
+    bfloat16), bit for bit: the same values summed (the interpreter sums a tile alike in both layouts). moe_rows
+    multiplies by the float32 values, so it is held to the float64 reference, as both are."""
+    import torch
+
+    from qwen4exp.engine.model.quant_blocks import dequantize
+    from qwen4exp.kernels.moe import moe_grouped, moe_rows
+
+    gen = torch.Generator().manual_seed(7)
+    for gate_up_type, down_type in BLOCK_PAIRS:
+        inter = 256 if down_type in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else QI
+        gate_up, down = _stack(gate_up_type, (E, 2 * inter, QH), 1), _stack(down_type, (E, QH, inter), 2)
+        twin_gate_up, twin_down = gate_up.dequantize(), down.dequantize()
+        # 70 tokens: 17.5 pairs an expert, past moe_blocks.DENSE_FROM (the stacks dequantized whole): the first pair
+        for rows in (5, 70) if gate_up_type == BLOCK_PAIRS[0][0] else (5,):
+            x = torch.randn(rows, QH, generator=gen).bfloat16()
+            ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(rows)])
+            weights = torch.rand(rows, K, generator=gen).softmax(-1).bfloat16()
+            want = _reference(x, ids, weights, gate_up.dequantize().float(), down.dequantize().float())
+            got = moe_grouped(x, ids, weights, gate_up, down)
+            assert torch.equal(got, moe_grouped(x, ids, weights, twin_gate_up, twin_down)), (rows, gate_up_type)
+            assert _rel_err(got, want) < REL_TOL, ("grouped", gate_up_type, down_type)
+            if rows <= 16:
+                exact = _reference(x, ids, weights, dequantize(gate_up.blocks, gate_up_type),
+                                   dequantize(down.blocks, down_type))
+                assert _rel_err(moe_rows(x, ids, weights, gate_up, down), exact) < REL_TOL, (gate_up_type, down_type)
+
+
+def check_block_stacks_keep_rows_independent():
+    """A decode row's result over quantized stacks depends on that row alone; idle rows read nothing."""
+    import torch
+
+    from qwen4exp.kernels.moe import moe_grouped, moe_rows
+
+    gen = torch.Generator().manual_seed(8)
+    gate_up, down = _stack("Q4_K", (E, 2 * QI, QH), 3), _stack("Q5_1", (E, QH, QI), 4)
+    x = torch.randn(4, QH, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(4)])
+    weights = torch.rand(4, K, generator=gen).softmax(-1).bfloat16()
+    x[3] = float("nan")
+    out = moe_rows(x, ids, weights, gate_up, down, torch.tensor([True, True, False, False]))
+    assert torch.equal(out[2:], torch.zeros(2, QH, dtype=torch.bfloat16))
+    assert torch.equal(moe_rows(x[:1], ids[:1], weights[:1], gate_up, down)[0], out[0])
+    assert torch.equal(moe_grouped(x[:3], ids[:3], weights[:3], gate_up, down)[1],
+                       moe_grouped(x[1:2], ids[1:2], weights[1:2], gate_up, down)[0])
+
+
 CHECKS = {name: fn for name, fn in globals().items() if name.startswith("check_")}
 
 
@@ -216,3 +303,37 @@ def _run_checks() -> None:
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest (the checks need Triton's interpreter)"
     _run_checks()
+
+
+@pytest.mark.gpu
+def test_block_kernels_on_the_gpu():
+    """Compiled, on a GPU: the in-register dequantization is the torch form's bit for bit for every type, and the
+    block kernels give their dense twins' results (decode multiplies by float32 weights, not the twin's bfloat16,
+    and compiled tilings sum in another order: up to rounding) with each row independent of the others."""
+    import torch
+
+    from qwen4exp.checkpoint.gguf_blocks import random_blocks
+    from qwen4exp.engine.model.quant_blocks import dequantize
+    from qwen4exp.kernels.moe import moe_grouped, moe_rows
+    from qwen4exp.kernels.quant_tiles import QTYPES, dequantize_rows
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    for qtype in QTYPES:
+        blocks = torch.from_numpy(random_blocks(qtype, (64, 2560), 0.5, 3)).cuda()
+        assert torch.equal(dequantize_rows(blocks, qtype).view(torch.int32),
+                           dequantize(blocks, qtype).view(torch.int32)), qtype
+    gen = torch.Generator().manual_seed(9)
+    for gate_up_type, down_type in BLOCK_PAIRS:
+        inter = 256 if down_type in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else QI
+        gate_up = _stack(gate_up_type, (E, 2 * inter, QH), 1).cuda()
+        down = _stack(down_type, (E, QH, inter), 2).cuda()
+        for rows, kernel, tolerance in ((4, moe_rows, REL_TOL), (40, moe_grouped, 2e-3), (70, moe_grouped, 2e-3)):
+            x = torch.randn(rows, QH, generator=gen).bfloat16().cuda()
+            ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(rows)]).cuda()
+            weights = torch.rand(rows, K, generator=gen).softmax(-1).bfloat16().cuda()
+            got = kernel(x, ids, weights, gate_up, down)
+            twin = kernel(x, ids, weights, gate_up.dequantize(), down.dequantize())
+            assert _rel_err(got.cpu(), twin.cpu().double()) < tolerance, (kernel.__name__, gate_up_type, down_type)
+            alone = kernel(x[1:2], ids[1:2], weights[1:2], gate_up, down)
+            assert torch.equal(alone[0], got[1]), (kernel.__name__, gate_up_type)

@@ -13,15 +13,26 @@ import sys
 import time
 
 
-def _model_config(name: str):
+def _model(name: str, quant: str | None):
+    """(config, the weights kept quantized) of a preset at --quant, or of a checkpoint (a GGUF's own types)."""
+    from .checkpoint.gguf_file import is_gguf
+    from .checkpoint.gguf_writer import MIXES, ONE_TYPE
     from .checkpoint.presets import PRESET_NAMES, preset_config
     from .engine.loading import model_config
     from .engine.model.config import ModelConfig
+    from .engine.model.kernel_launches import quantized_for
     from .model_dir import resolve_model
 
     if name in PRESET_NAMES and name != "tiny":
-        return ModelConfig.from_dict(preset_config(name, dtype="bfloat16"), source=f"preset {name!r}")
-    return model_config(str(resolve_model(name)))
+        config = ModelConfig.from_dict(preset_config(name, dtype="bfloat16"), source=f"preset {name!r}")
+        if quant is not None and quant not in MIXES + ONE_TYPE:
+            raise SystemExit(f"error: --quant {quant!r}: choose one of {', '.join(MIXES + ONE_TYPE)}")
+        return config, quantized_for(config, quant) if quant else {}
+    if quant is not None:
+        raise SystemExit("error: --quant goes with a preset (a checkpoint has its own types)")
+    path = str(resolve_model(name))
+    config = model_config(path)
+    return config, quantized_for(config, path) if is_gguf(path) else {}
 
 
 def _targets(name: str | None):
@@ -50,12 +61,12 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         raise SystemExit("error: Triton is not installed (it comes with torch's CUDA and ROCm wheels)")
     from .engine.model import kernel_launches
 
-    config = _model_config(args.model)
+    config, quantized = _model(args.model, args.quant)
     failures = 0
     rows = []
     for target in _targets(args.target):
         started = time.perf_counter()
-        launches = kernel_launches.record(config, target)
+        launches = kernel_launches.record(config, target, quantized=quantized)
         left_out = guard.NOT_BUILT.get(target.name, {})
         for launch in launches:
             build = ahead_of_time.build(launch, target)
@@ -71,7 +82,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
             print(f"{target.name}: {len(launches)} kernel builds in {time.perf_counter() - started:.0f} s; "
                   f"torch forms there for: {', '.join(sorted(left_out)) or 'none'}")
     if args.json:
-        json.dump({"model": args.model, "builds": rows, "failed": failures}, sys.stdout, indent=1)
+        json.dump({"model": args.model, "quant": args.quant, "builds": rows, "failed": failures}, sys.stdout, indent=1)
         print()
     return 1 if failures else 0
 
@@ -81,6 +92,8 @@ def add_parser(sub) -> None:
                           "Triton's cache) or for the checked targets (no GPU needed)")
     kern.add_argument("--model", default="full", help="a checkpoint directory, a GGUF file or a preset (bench, full; "
                       "default: full): the shapes to compile for")
+    kern.add_argument("--quant", default=None, help="with a preset: the GGUF mix (ud-q4_k_xl, q8_0, ...) or block "
+                      "type (Q4_K, IQ4_NL, ...) whose quantized weights' kernels to compile")
     kern.add_argument("--target", default=None, help="sm_90, sm_80, gfx1201, gfx1151, all, or here (default: here "
                       "on a GPU machine, else all)")
     kern.add_argument("--json", action="store_true", help="print one JSON document")

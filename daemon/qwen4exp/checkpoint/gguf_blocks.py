@@ -38,18 +38,41 @@ def _blocks(qtype: str, rows: int, blocks: int, d: float, rng: np.random.Generat
     return raw.reshape(rows, blocks * size)
 
 
+def _unit_spread(qtype: str, seed: int) -> float:
+    """The standard deviation of random blocks at d = 1, measured on a sample: the scale for a spread follows."""
+    from gguf import GGMLQuantizationType, quants
+
+    sample = _blocks(qtype, 64, 1, 1.0, np.random.default_rng(seed + 1))
+    return float(np.std(quants.dequantize(sample, GGMLQuantizationType[qtype])))
+
+
 def random_blocks(qtype: str, shape: tuple[int, ...], std: float, seed: int) -> np.ndarray:
     """uint8 blocks of `qtype` for a tensor of `shape` (torch order; the last axis a whole number of blocks),
     whose dequantized values have a standard deviation near `std`."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][0]
     if shape[-1] % block:
         raise ValueError(f"{qtype} blocks hold {block} values; a row of {shape[-1]} is not a whole number of them")
     rows = int(np.prod(shape[:-1], dtype=np.int64))
-    rng = np.random.default_rng(seed)
-    # The spread at d = 1, measured on a sample: the scale for `std` follows from it.
-    sample = _blocks(qtype, 64, 1, 1.0, np.random.default_rng(seed + 1))
-    unit = float(np.std(quants.dequantize(sample, GGMLQuantizationType[qtype])))
-    out = _blocks(qtype, rows, shape[-1] // block, std / unit, rng)
+    out = _blocks(qtype, rows, shape[-1] // block, std / _unit_spread(qtype, seed), np.random.default_rng(seed))
     return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def fill_random_blocks(blocks, qtype: str, std: float, seed: int) -> None:
+    """random_blocks drawn in place into `blocks` (a torch uint8 tensor [..., row bytes], on any device): how a
+    random-weight model too large for the host's memory or disk gets its quantized weights."""
+    import torch
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
+    blocks.random_(0, 256, generator=torch.Generator(device=blocks.device).manual_seed(seed))
+    view = blocks.view(-1, size)
+    d = std / _unit_spread(qtype, seed)
+    d_at, min_at, centre = _SCALES[qtype]
+    fields = [(d_at, d)] + ([(min_at, (1.0 if qtype.endswith("_K") else -1.0) * centre * d)] if min_at is not None
+                            else [])
+    for at, value in fields:
+        low, high = np.frombuffer(np.float16(value).tobytes(), dtype=np.uint8)
+        view[:, at], view[:, at + 1] = int(low), int(high)

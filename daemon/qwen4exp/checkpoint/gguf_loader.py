@@ -27,9 +27,10 @@ def _kept_name(target: str) -> str | None:
     return target.removesuffix(".weight") if target.endswith(_TABLE) else None
 
 
-def quantized_stacks(checkpoint: GGUFCheckpoint, config) -> dict[str, tuple[str, tuple[int, ...]]]:
+def quantized_stacks(checkpoint, config) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The weights to keep quantized: {runtime name: (block type, shape)}, for each expert stack and PLE table
-    whose GGUF tensors (gate and up, down, the table) hold one block type with a torch form."""
+    whose GGUF tensors (gate and up, down, the table) hold one block type with a torch form. `checkpoint`: a
+    GGUFCheckpoint, or a file planned but not written (gguf_writer.PlannedFile)."""
     parts: dict[str, list[gguf_layout.Piece]] = {}
     for piece in gguf_layout.pieces(config):
         name = _kept_name(piece.target)

@@ -65,6 +65,31 @@ def _ud_q4_k_xl(name: str) -> str:
     return "Q8_0"
 
 
+class PlannedFile:
+    """The tensors `write_gguf` writes for a model of `config` at `mix`, by name: their types and shapes (torch order),
+    found on the meta device without weights. It answers as a GGUFCheckpoint does (`tensors`, `type_name`,
+    `shape`), so what is kept quantized can be planned for a file not written (the kernels' compile check)."""
+
+    def __init__(self, config, mix: str):
+        from ..engine.model.causal_lm import Qwen4ExpForCausalLM
+
+        with torch.device("meta"):
+            targets = Qwen4ExpForCausalLM(config).state_dict()
+        self.tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for piece in gguf_layout.pieces(config):
+            target = targets[piece.target]
+            part = target if piece.rows is None else target.narrow(piece.axis, piece.rows.start,
+                                                                   piece.rows.stop - piece.rows.start)
+            shape = tuple(piece.to_gguf(part).shape)
+            self.tensors[piece.gguf] = (tensor_type(piece, shape, mix), shape)
+
+    def type_name(self, name: str) -> str:
+        return self.tensors[name][0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.tensors[name][1]
+
+
 def encode(values: torch.Tensor, qtype: str, seed: int) -> np.ndarray:
     """The bytes (or float array) of `values` (float32, torch order) as `qtype`."""
     from gguf import GGMLQuantizationType, quants

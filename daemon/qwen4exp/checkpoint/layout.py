@@ -23,6 +23,7 @@ from ..engine.model.gated_deltanet import GatedDeltaNet
 from ..engine.model.moe import Experts, Router
 from ..engine.model.norms import GatedRMSNorm, RMSNorm
 from ..engine.model.ple import NGramEmbedding
+from ..engine.model.quantized import QuantizedStack
 
 TEXT_PREFIX = "model."
 DISK_TEXT_PREFIX = "model.language_model."
@@ -97,8 +98,11 @@ def _spec(model: Qwen4ExpForCausalLM, name: str, tensor: torch.Tensor) -> Tensor
 
 
 def module_specs(model: Qwen4ExpForCausalLM) -> list[TensorSpec]:
-    """Every tensor of `model`'s state_dict (what the loader fills: parameters and persistent buffers)."""
-    return [_spec(model, name, tensor) for name, tensor in model.state_dict(keep_vars=True).items()]
+    """Every tensor of `model`'s state_dict (what the loader fills: parameters and persistent buffers), but the
+    blocks of weights kept quantized (a GGUF's: no safetensors layout holds them)."""
+    kept = {f"{name}.blocks" for name, module in model.named_modules() if isinstance(module, QuantizedStack)}
+    return [_spec(model, name, tensor) for name, tensor in model.state_dict(keep_vars=True).items()
+            if name not in kept]
 
 
 def runtime_specs(t: dict[str, Any], with_mtp: bool = True) -> list[TensorSpec]:

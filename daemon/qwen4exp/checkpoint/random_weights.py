@@ -19,7 +19,11 @@ from tqdm.auto import tqdm
 from ..engine.loading import DTYPES, build_model, resolve_device
 from ..engine.model.causal_lm import Qwen4ExpForCausalLM
 from ..engine.model.config import ModelConfig
+from ..engine.model.quantized import QuantizedStack
 from . import layout
+from .gguf_blocks import fill_random_blocks
+from .gguf_loader import quantized_stacks
+from .gguf_writer import PlannedFile
 from .presets import preset_config
 from .writer import _draw, _dtype_label
 
@@ -45,19 +49,38 @@ def fill_random(model: Qwen4ExpForCausalLM, text: dict, seed: int, dtype: torch.
     return written
 
 
+@torch.no_grad()
+def fill_random_stacks(model: Qwen4ExpForCausalLM, seed: int) -> int:
+    """Random blocks (gguf_blocks.fill_random_blocks) in every QuantizedStack of `model`, with the spread of the
+    dense draw they stand for (an expert's fan-in; the PLE table's unit normal); returns the bytes written."""
+    written = 0
+    for index, (name, module) in enumerate(model.named_modules()):
+        if isinstance(module, QuantizedStack):
+            std = 1.0 if name.endswith("ngram_embedding") else module.shape[-1] ** -0.5
+            fill_random_blocks(module.blocks, module.qtype, std, seed * 1000003 + index)
+            written += module.blocks.numel()
+    return written
+
+
 def random_model(preset: str = "bench", layers: int | None = None, dtype: torch.dtype | str = torch.bfloat16,
-                 device: str | torch.device | None = None, seed: int = 0,
-                 progress: bool = False) -> Qwen4ExpForCausalLM:
+                 device: str | torch.device | None = None, seed: int = 0, progress: bool = False,
+                 quant: str | None = None) -> Qwen4ExpForCausalLM:
     """The model of `preset` (optionally cut to `layers` layers) with random weights, built on `device`.
 
     Equal, tensor for tensor, to loading a checkpoint that `write_random_checkpoint` wrote with the same
     preset, layers, seed, dtype and device, so numerically sane in the same way (finite logits with a
-    visible spread; routers that change experts from token to token)."""
+    visible spread; routers that change experts from token to token). With `quant` (a GGUF mix or block type,
+    gguf_writer), the weights a GGUF of that mix keeps quantized are random blocks instead, built in place (the
+    full model at UD-Q4_K_XL without the 104 GiB file), and there is no MTP head, as in a GGUF."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     device = device if isinstance(device, torch.device) else resolve_device(device)
     config = preset_config(preset, layers, dtype=_dtype_label(dtype))
     text = config["text_config"]
+    if quant:
+        text["mtp_num_hidden_layers"] = 0          # llama.cpp's converter drops the MTP head
     cfg = ModelConfig.from_dict(config, source=f"preset {preset!r}")
-    model = build_model(cfg, dtype, device)
+    quantized = quantized_stacks(PlannedFile(cfg, quant), cfg) if quant else None
+    model = build_model(cfg, dtype, device, quantized)
     fill_random(model, text, seed, dtype, progress=progress)
+    fill_random_stacks(model, seed)
     return model

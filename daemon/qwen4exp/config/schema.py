@@ -184,6 +184,10 @@ class Settings(BaseSettings):
                                "Replay each decode step from a CUDA graph on a GPU target; `false` runs it eagerly.")
     compile_decode: bool = _field(False, "true or false",
                                   "torch.compile the decode step on a GPU target (fewer, fused kernels; slower start).")
+    ple: Annotated[Literal["auto", "device", "host"], BeforeValidator(_lower)] = _field(
+        "auto", "'auto', 'device' or 'host'",
+        "Where a GGUF's quantized PLE n-gram table lives: `host` keeps it in pinned system memory (the GPU reads the "
+        "rows a token looks up in place); `auto`: there when that fits a longer context.")
     device_memory_limit: OptionalSize = _field(
         None, "a size like '120GiB', or 'none'", "Cap on what qwen4exp allocates on each device it uses.")
     park_after_idle: Seconds = _field(None, "seconds, a duration like '30m', or 'never'",

@@ -15,6 +15,11 @@ from typing import Any
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
+def _size(tables) -> str:
+    from .memory import human_size
+    return human_size(sum(table.blocks.numel() for table in tables))
+
+
 def _whole(key: str, value: Any, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         span = f"from {low} to {high}" if high is not None else f"of at least {low}"
@@ -36,6 +41,7 @@ class EngineConfig:
     queue_limit: int = 64
     cuda_graphs: bool = True
     compile_decode: bool = False
+    ple: str = "auto"                     # where a GGUF's quantized PLE table lives: "device", "host", or "auto"
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -56,6 +62,8 @@ class EngineConfig:
         if self.device_memory_limit is not None:
             _whole("device_memory_limit", self.device_memory_limit, 1)
         _whole("queue_limit", self.queue_limit, 1)
+        if self.ple not in ("auto", "device", "host"):
+            raise ValueError(f"engine setting ple must be 'auto', 'device' or 'host', got {self.ple!r}")
         for key in ("prefix_cache", "cuda_graphs", "compile_decode"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"engine setting {key} must be true or false, got {getattr(self, key)!r}")
@@ -72,7 +80,7 @@ class EngineConfig:
                    restore_spacing=settings.restore_spacing, prefix_cache=cache.enabled,
                    prefix_cache_limit=cache.resident_limit, device_memory_limit=settings.memory_limit_for(target),
                    queue_limit=settings.server.queue_limit, cuda_graphs=settings.cuda_graphs,
-                   compile_decode=settings.compile_decode)
+                   compile_decode=settings.compile_decode, ple=settings.ple)
 
     @property
     def spacing(self) -> int:
@@ -99,7 +107,8 @@ class EngineConfig:
             raise ValueError("engine setting model is not set: there is no checkpoint to load")
         device = self.torch_device()
         set_device_memory_limit(device, self.device_memory_limit)
-        return device, load_model(self.model, dtype=self.dtype_on(device), device=device, progress=progress)
+        return device, load_model(self.model, dtype=self.dtype_on(device), device=device, progress=progress,
+                                  ple_on_host=self.ple == "host")
 
     def fit_settings(self, device) -> dict[str, Any]:
         """The context fit's inputs for this engine on `device`, the same for `serve` and `plan`: the slots, the
@@ -112,9 +121,31 @@ class EngineConfig:
 
     def resolve_context(self, model, device, **fit_overrides):
         """The context to serve (fit.ContextChoice): max_ctx checked when it is a number, else fitted on `device`
-        with `fit_settings`; `fit_overrides` are plan's what-ifs (headroom, verify, snapshot placement)."""
+        with `fit_settings`; `fit_overrides` are plan's what-ifs (headroom, verify, snapshot placement).
+
+        ple = "auto" with a GGUF's quantized PLE table on a GPU: when the fit falls short of the model's trained
+        context, the table moves to host memory (where the GPU reads the rows it looks up in place) if that fits
+        a longer context, and the fit says so in its notes."""
         from .fit import resolve_max_ctx
-        return resolve_max_ctx(self.max_ctx, model, **(self.fit_settings(device) | fit_overrides))
+        from .loading import quantized_ple_tables
+
+        settings = self.fit_settings(device) | fit_overrides
+        choice = resolve_max_ctx(self.max_ctx, model, **settings)
+        tables = [table for table in quantized_ple_tables(model) if not table.host]
+        if (self.ple != "auto" or device.type != "cuda" or not tables or choice.fit is None
+                or choice.context >= model.config.max_position_embeddings):
+            return choice
+        for table in tables:
+            table.keep_on_host()
+        moved = resolve_max_ctx(self.max_ctx, model, **settings)
+        if moved.context > choice.context:
+            moved.fit.notes.append(f"ple = 'auto': the PLE table ({_size(tables)}) moved to host memory, which fits "
+                                   f"{moved.context} positions a slot against {choice.context} with it on {device}")
+            return moved
+        for table in tables:                      # no longer: back where it was
+            table.host = False
+            table.to(device)
+        return choice
 
     def new_prefix_cache(self, model, device):
         """A prefix cache for this engine (it outlives an engine: a park keeps it), or None when it is off."""

@@ -129,7 +129,7 @@ def fit_context(model: torch.nn.Module, *, slots: int, chunk_floor: int = 256, m
     trained = min(trained, cfg.max_position_embeddings)
     if floor < chunk_floor:
         raise FitError(f"the smallest context, {floor}, is shorter than the floor chunk of {chunk_floor} rows")
-    weights = weight_bytes(model)
+    weights = weight_bytes(model, device)
     limit = memory_limit if memory_limit is not None else device_memory_limit(device)
     capacity, source = usable_capacity(device, weights)
     notes = [f"the probes are the planner's budget model over inputs measured on {device}; "

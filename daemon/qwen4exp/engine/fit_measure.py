@@ -26,9 +26,12 @@ class Verification:
         return not self.out_of_memory and self.needed <= self.available
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every parameter and buffer."""
-    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+def weight_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes of every parameter and buffer on `device` (a PLE table kept in host memory is not on a GPU's)."""
+    def on_device(t: torch.Tensor) -> bool:
+        return t.device.type == device.type and (device.index is None or t.device.index in (None, device.index))
+
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()) if on_device(t))
 
 
 def usable_capacity(device: torch.device, held: int) -> tuple[int, str]:

@@ -12,7 +12,7 @@ from ..checkpoint.loader import load_weights, read_config
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
 from .model.ple import NGramEmbedding
-from .model.quantized import keep_quantized
+from .model.quantized import QuantizedStack, keep_quantized
 
 log = logging.getLogger("qwen4exp.engine")
 
@@ -28,14 +28,30 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+def quantized_ple_tables(model: torch.nn.Module) -> list[QuantizedStack]:
+    """The PLE n-gram tables kept as GGML blocks (a GGUF's): the ones that can live in host memory."""
+    return [module.ngram_embedding for module in model.modules()
+            if isinstance(module, NGramEmbedding) and isinstance(module.ngram_embedding, QuantizedStack)]
+
+
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                quantized: dict[str, tuple[str, tuple[int, int, int]]] | None = None) -> Qwen4ExpForCausalLM:
+                quantized: dict[str, tuple[str, tuple[int, int, int]]] | None = None,
+                ple_on_host: bool = False) -> Qwen4ExpForCausalLM:
     """Allocate the model on `device` without initialising weights (a load fills them); `quantized` names the
-    expert stacks kept as GGML blocks ({runtime name: (block type, shape)}, model/quantized.py)."""
+    expert stacks kept as GGML blocks ({runtime name: (block type, shape)}, model/quantized.py); `ple_on_host`
+    allocates a quantized PLE table in (pinned) host memory instead (the load then writes it there)."""
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(cfg)
         keep_quantized(model, quantized or {}, dtype)
+    tables = quantized_ple_tables(model)
+    if ple_on_host and not tables:
+        raise ValueError("ple = 'host' keeps a GGUF's quantized PLE table in host memory; this model's table is not "
+                         "quantized (a safetensors checkpoint, or a GGUF whose table is a float type)")
+    for table in tables if ple_on_host else []:
+        table.host = True                             # moved with nothing, then allocated on the host below
     model = model.to(dtype=dtype).to_empty(device=device)
+    for table in tables if ple_on_host else []:
+        table.keep_on_host()
     # The hash constants are derived, not learned: recompute them (a checkpoint's copy must agree).
     for module in model.modules():
         if isinstance(module, NGramEmbedding):
@@ -51,18 +67,18 @@ def model_config(path: str) -> ModelConfig:
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-               progress: bool = True) -> Qwen4ExpForCausalLM:
+               progress: bool = True, ple_on_host: bool = False) -> Qwen4ExpForCausalLM:
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     device = device if isinstance(device, torch.device) else resolve_device(device)
     if is_gguf(path):
         checkpoint = GGUFCheckpoint(path)
         cfg = checkpoint.model_config()
-        model = build_model(cfg, dtype, device, quantized_stacks(checkpoint, cfg))
+        model = build_model(cfg, dtype, device, quantized_stacks(checkpoint, cfg), ple_on_host)
         report = load_gguf_weights(checkpoint, model, cfg)
         log.info("loaded %s: %s", path, report)
         return model
     cfg = model_config(path)
-    model = build_model(cfg, dtype, device)
+    model = build_model(cfg, dtype, device, ple_on_host=ple_on_host)
     report = load_weights(path, model, dtype=dtype, device=device, progress=progress)
     log.info("loaded %s: %s", path, report)
     return model

@@ -75,6 +75,8 @@ def specialize(kernel, args: tuple, kwargs: dict, op: str) -> Launch:
         if param.is_constexpr or value is None or (type(value) is int and value == 1):
             signature[name] = "constexpr"
             constexprs[(index,)] = value
+            if isinstance(value, str):
+                attrs[(index,)] = []     # the launcher lists a string's specialization as an (empty) attribute
             continue
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + _TYPES[value.dtype]

@@ -17,13 +17,17 @@ token are added in float32 in slot order 0..k-1 and rounded once. `moe_rows` kee
 float32 up to that sum; `moe_grouped` rounds each weighted slot output to x's dtype first (it stores
 T*k rows of them). Block shapes never depend on the number of rows, and no atomics are used, so the results
 are deterministic and a row's (token's) result does not depend on which other rows share the launch.
+
+Either stack may be kept as GGML blocks (a QuantizedStack of a GGUF's experts): its products then run in
+moe_blocks.py's kernels, which dequantize the weights in registers (that file says where their numerics differ),
+and the slot sum above.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import guard
+from . import guard, moe_blocks
 from .guard import interpreted, tl, triton
 
 # Fixed configs, never tuned per call: results must not depend on T. Chosen by the arithmetic below and
@@ -47,6 +51,15 @@ GROUPED_GATE_UP = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
 GROUPED_DOWN = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
 
 
+def _is_blocks(stack) -> bool:
+    """Whether an expert stack is kept as GGML blocks (moe_blocks.py's kernels read it) rather than dense."""
+    return not isinstance(stack, torch.Tensor)
+
+
+def _dense_contiguous(stack):
+    return stack if _is_blocks(stack) else stack.contiguous()
+
+
 def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
            down: torch.Tensor) -> tuple[int, int, int, int]:
     """Shapes and dtypes both entry points rely on; returns (T, H, I, k). Shape checks only: no sync."""
@@ -66,15 +79,7 @@ def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: t
 
 
 if triton is not None:
-    from .rounding import round_to, rounded
-
-    @triton.jit
-    def _silu_mul(gate, up, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-        """gate, up float32 -> silu(gate) * up in `dtype`, rounded where torch's low-precision ops round."""
-        gate = rounded(gate, dtype, INTERPRETED)
-        up = rounded(up, dtype, INTERPRETED)
-        act = rounded(gate / (1.0 + tl.exp(-gate)), dtype, INTERPRETED)
-        return round_to(act * up, dtype, INTERPRETED)
+    from .rounding import round_to, rounded, silu_mul
 
     @triton.jit
     def _rows_gate_up_kernel(x_ptr, ids_ptr, active_ptr, w_ptr, h_ptr, hidden, inter, top_k,
@@ -107,7 +112,7 @@ if triton is not None:
             x_ptrs += BLOCK_K
             gate_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
-        h = _silu_mul(tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1), h_ptr.dtype.element_ty, INTERPRETED)
+        h = silu_mul(tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1), h_ptr.dtype.element_ty, INTERPRETED)
         tl.store(h_ptr + pair.to(tl.int64) * inter + feat, h, mask=feat_ok)
 
     @triton.jit
@@ -199,7 +204,7 @@ if triton is not None:
             x_ptrs += BLOCK_K
             gate_ptrs += BLOCK_K
             up_ptrs += BLOCK_K
-        h = _silu_mul(acc_gate, acc_up, h_ptr.dtype.element_ty, INTERPRETED)
+        h = silu_mul(acc_gate, acc_up, h_ptr.dtype.element_ty, INTERPRETED)
         h_ptrs = h_ptr + rows[:, None].to(tl.int64) * inter + feat[None, :]
         tl.store(h_ptrs, h, mask=feat_ok[None, :])
 
@@ -267,7 +272,7 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     if rows == 0 or top_k == 0:
         return torch.zeros_like(x) if shared is None else torch.sigmoid(shared[1]) * shared[0]
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    gate_up, down = gate_up.contiguous(), down.contiguous()
+    gate_up, down = _dense_contiguous(gate_up), _dense_contiguous(down)
     flags = None
     if active is not None:
         if active.shape != (rows,):
@@ -279,11 +284,17 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     y = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
     flag_arg = flags if flags is not None else ids  # never read when HAS_ACTIVE is False
     common = dict(INTERPRETED=interpreted(x), HAS_ACTIVE=flags is not None)
-    grid = (pairs, triton.cdiv(inter, ROWS_GATE_UP["BLOCK_N"]))
-    _rows_gate_up_kernel[grid](x, ids, flag_arg, gate_up, h, hidden, inter, top_k, **common, **ROWS_GATE_UP)
-    grid = (pairs, triton.cdiv(hidden, ROWS_DOWN["BLOCK_N"]))
-    _rows_down_kernel[grid](h, ids, weights, flag_arg, down, y, hidden, inter, top_k,
-                            HAS_ACTIVE=flags is not None, **ROWS_DOWN)
+    if _is_blocks(gate_up):
+        moe_blocks.rows_gate_up(x, ids, flag_arg, gate_up, h, top_k, common)
+    else:
+        grid = (pairs, triton.cdiv(inter, ROWS_GATE_UP["BLOCK_N"]))
+        _rows_gate_up_kernel[grid](x, ids, flag_arg, gate_up, h, hidden, inter, top_k, **common, **ROWS_GATE_UP)
+    if _is_blocks(down):
+        moe_blocks.rows_down(h, ids, weights, flag_arg, down, y, top_k, common)
+    else:
+        grid = (pairs, triton.cdiv(hidden, ROWS_DOWN["BLOCK_N"]))
+        _rows_down_kernel[grid](h, ids, weights, flag_arg, down, y, hidden, inter, top_k,
+                                HAS_ACTIVE=flags is not None, **ROWS_DOWN)
     return _combine(y, flags, rows, hidden, top_k, x.dtype, shared)
 
 
@@ -331,7 +342,7 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     if rows == 0 or top_k == 0:
         return torch.zeros_like(x)
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    gate_up, down = gate_up.contiguous(), down.contiguous()
+    gate_up, down = _dense_contiguous(gate_up), _dense_contiguous(down)
     num_experts = gate_up.shape[0]
     pairs = rows * top_k
     if pairs + num_experts * GROUPED_BLOCK_M >= 2**31:
@@ -340,12 +351,21 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     max_blocks = expert_of_block.numel()
     on_cpu = interpreted(x)
     gate_up_config, down_config = grouped_configs(x.device, x.element_size())
+    gate_up, down = moe_blocks.dense_for_chunk(gate_up, pairs), moe_blocks.dense_for_chunk(down, pairs)
+    common = dict(INTERPRETED=on_cpu, BLOCK_M=GROUPED_BLOCK_M)
     h = torch.empty(pair_of_row.numel(), inter, device=x.device, dtype=x.dtype)
-    grid = (max_blocks * triton.cdiv(inter, gate_up_config["BLOCK_N"]),)
-    _grouped_gate_up_kernel[grid](x, pair_of_row, expert_of_block, gate_up, h, pairs, num_experts, hidden, inter,
-                                  top_k, INTERPRETED=on_cpu, BLOCK_M=GROUPED_BLOCK_M, **gate_up_config)
+    if _is_blocks(gate_up):
+        moe_blocks.grouped_gate_up(x, pair_of_row, expert_of_block, gate_up, h, pairs, top_k, gate_up_config,
+                                   common)
+    else:
+        grid = (max_blocks * triton.cdiv(inter, gate_up_config["BLOCK_N"]),)
+        _grouped_gate_up_kernel[grid](x, pair_of_row, expert_of_block, gate_up, h, pairs, num_experts, hidden,
+                                      inter, top_k, **common, **gate_up_config)
     y = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)
-    grid = (max_blocks * triton.cdiv(hidden, down_config["BLOCK_N"]),)
-    _grouped_down_kernel[grid](h, pair_of_row, expert_of_block, weights, down, y, pairs, num_experts, hidden, inter,
-                               INTERPRETED=on_cpu, BLOCK_M=GROUPED_BLOCK_M, **down_config)
+    if _is_blocks(down):
+        moe_blocks.grouped_down(h, pair_of_row, expert_of_block, weights, down, y, pairs, down_config, common)
+    else:
+        grid = (max_blocks * triton.cdiv(hidden, down_config["BLOCK_N"]),)
+        _grouped_down_kernel[grid](h, pair_of_row, expert_of_block, weights, down, y, pairs, num_experts, hidden,
+                                   inter, **common, **down_config)
     return _combine(y, None, rows, hidden, top_k, x.dtype)

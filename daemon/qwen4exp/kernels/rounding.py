@@ -36,6 +36,14 @@ if triton is not None:
         return v.to(dtype).to(tl.float32)
 
     @triton.jit
+    def silu_mul(gate, up, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+        """gate, up float32 -> silu(gate) * up in `dtype`, rounded where torch's low-precision ops round."""
+        gate = rounded(gate, dtype, INTERPRETED)
+        up = rounded(up, dtype, INTERPRETED)
+        act = rounded(gate / (1.0 + tl.exp(-gate)), dtype, INTERPRETED)
+        return round_to(act * up, dtype, INTERPRETED)
+
+    @triton.jit
     def _add_parts_kernel(parts_ptr, out_ptr, size, PARTS: tl.constexpr, DIVISOR: tl.constexpr,
                           INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
         offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

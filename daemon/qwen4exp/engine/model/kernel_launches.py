@@ -14,11 +14,14 @@ import sys
 
 import torch
 
+from ...checkpoint.gguf_loader import quantized_stacks
+from ...checkpoint.gguf_writer import PlannedFile
 from ...kernels import ahead_of_time, guard
 from ..state import SequenceState, StateBatch
 from .causal_lm import Qwen4ExpForCausalLM
 from .config import ModelConfig
 from .ops import TorchOps
+from .quantized import keep_quantized
 from .triton_ops import TritonOps
 
 CHUNKS = (1, 37, 512, 1024, 2048, 4096)   # a prompt's last chunk may have any length; whole chunks 512-4096
@@ -46,15 +49,26 @@ def _op_in_flight() -> str:
     return "model"
 
 
+def quantized_for(config: ModelConfig, gguf: str) -> dict:
+    """What a GGUF keeps quantized, for `record`: of the file at path `gguf`, or of a file of `config` at the
+    mix named `gguf` (gguf_writer.MIXES or one block type)."""
+    from ...checkpoint.gguf_file import GGUFCheckpoint, is_gguf
+
+    return quantized_stacks(GGUFCheckpoint(gguf) if is_gguf(gguf) else PlannedFile(config, gguf), config)
+
+
 def record(config: ModelConfig, target: guard.Target, chunks=CHUNKS, decode_rows=DECODE_ROWS,
-           device: torch.device | None = None) -> list[ahead_of_time.Launch]:
+           device: torch.device | None = None, quantized: dict | None = None) -> list[ahead_of_time.Launch]:
     """The distinct kernel launches of prefill and decode for `config` on `target` (guard.NOT_BUILT's ops
     included: they are what is left out there, and why). With a GPU `device` (of `target`), the kernels also run
-    there, and each launch keeps the hash of the binary Triton's launcher compiled for it."""
+    there, and each launch keeps the hash of the binary Triton's launcher compiled for it. `quantized`: the
+    weights a GGUF keeps as blocks (quantized_for), as build_model takes them."""
     device = device or torch.device("meta")
     with guard.compiling_for(target), ahead_of_time.recording(_op_in_flight, launch=device.type != "meta") as launches:
         with device:
-            model = Qwen4ExpForCausalLM(config).to(DTYPE)
+            model = Qwen4ExpForCausalLM(config)
+            keep_quantized(model, quantized or {}, DTYPE)
+            model = model.to(DTYPE)
         model.ops = OwnKernels()   # every kernel of ours, also those NOT_BUILT leaves out on this target
         # QSA attends densely while a query sees no more than the indexer's budget; a chunk on the engine's
         # grid (multiples of the largest chunk) past that point ranks the blocks.

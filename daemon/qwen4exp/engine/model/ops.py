@@ -7,8 +7,8 @@ shapes their kernel does not take). A layer never asks which backend runs: it ca
 
 Two kinds of op:
 - row-wise (`linear`, the norms, `rotate`, the hyper-connection's `update_and_norm` and `mix_streams`, `route`,
-  `experts`): a row's result depends on that row alone; `step` is passed where a decode step's few rows take
-  other kernels than a chunk's many;
+  `experts`, `table_rows`): a row's result depends on that row alone; `step` is passed where a decode step's few
+  rows take other kernels than a chunk's many;
 - per phase (`causal_conv`, `delta_rule`, `ngram_embedding`, `qsa_attention`): what a prompt chunk of one
   sequence and a decode step over N rows do differently with the state.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from . import conv, delta_rule, hyper, moe, qsa
 from .rope import apply_rotary
@@ -83,8 +84,12 @@ class TorchOps:
     def ngram_embedding(self, embedding, step, context_ids: torch.Tensor) -> torch.Tensor:
         """PLE's hashed n-gram embeddings of the step's tokens; advances each sequence's id context."""
         if step.decode:
-            return embedding.step_rows(step.token_ids, context_ids, step.active)
-        return embedding.chunk_rows(step.token_ids, context_ids)
+            return embedding.step_rows(step.token_ids, context_ids, step.active, self.table_rows)
+        return embedding.chunk_rows(step.token_ids, context_ids, self.table_rows)
+
+    def table_rows(self, table: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of an embedding table (an nn.Embedding, or a QuantizedStack dequantizing the rows it reads)."""
+        return table(rows)
 
     def qsa_attention(self, attn: qsa.QSAAttention, q: torch.Tensor, index_q: torch.Tensor, step,
                       state) -> torch.Tensor:

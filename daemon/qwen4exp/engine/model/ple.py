@@ -75,17 +75,17 @@ class NGramEmbedding(nn.Module):
             groups.append(rows + self.ngram_heads_offsets[heads])
         return torch.cat(groups, dim=-1)
 
-    def chunk_rows(self, token_ids: torch.Tensor, context_ids: torch.Tensor) -> torch.Tensor:
+    def chunk_rows(self, token_ids: torch.Tensor, context_ids: torch.Tensor, lookup) -> torch.Tensor:
         """A chunk of one sequence (token_ids [n] after its context ids) -> concatenated head embeddings
-        [n, ple_embed_dim]; advances the id context."""
+        [n, ple_embed_dim], the table's rows read by lookup(table, rows); advances the id context."""
         n = token_ids.numel()
         history = torch.cat((context_ids, token_ids.long()))
         rows = self.hash_ids(history, n)
         context_ids.copy_(history[-context_ids.numel():])
-        table = next(iter(self.ngram_embedding.state_dict(keep_vars=True).values()))   # its weight, or its blocks
-        return self.ngram_embedding(rows.to(table.device)).to(token_ids.device).flatten(-2)
+        return lookup(self.ngram_embedding, rows).flatten(-2)
 
-    def step_rows(self, token_ids: torch.Tensor, context_ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    def step_rows(self, token_ids: torch.Tensor, context_ids: torch.Tensor, active: torch.Tensor,
+                  lookup) -> torch.Tensor:
         """One token per row (token_ids [N], context ids [N, ngram_size - 1]): embeddings [N, ple_embed_dim]; the
         id context of active rows advances. A predecessor counts only if no EOS lies between it and the token
         (the same rule as `_shifted`)."""
@@ -96,7 +96,7 @@ class NGramEmbedding(nn.Module):
             crossed = (history[:, -1 - s:-1] == self.eos).any(dim=1)
             shifted.append(torch.where(crossed, eos, history[:, -1 - s]))
         context_ids.copy_(torch.where(active[:, None], history[:, 1:], context_ids))
-        return self.ngram_embedding(self._hash(shifted)).flatten(-2)
+        return lookup(self.ngram_embedding, self._hash(shifted)).flatten(-2)
 
 
 class PLELayer(nn.Module):

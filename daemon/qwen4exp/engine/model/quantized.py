@@ -5,8 +5,8 @@ A `QuantizedStack` stands where the model keeps a dense tensor read by rows of i
 [E, rows, cols] stacks, and the PLE's [rows, dim] embedding table. `blocks` is uint8 [..., row bytes] of one
 block type; indexing it (an int or a tensor of ids, as the torch forms index the dense tensors), or calling it as
 an embedding, gives those entries dequantized (quant_blocks.py, bit for bit llama.cpp's values) in the model's
-dtype. The torch forms therefore run unchanged on it; the Triton backend runs the torch form for quantized
-experts until its kernels read the blocks themselves.
+dtype. The torch forms therefore run unchanged on it; the Triton backend's MoE kernels read the blocks
+themselves and dequantize in registers (kernels/moe_blocks.py).
 """
 
 from __future__ import annotations
@@ -26,11 +26,16 @@ class QuantizedStack(nn.Module):
         if shape[-1] % values:
             raise ValueError(f"{qtype} rows hold whole blocks of {values} values; these rows have {shape[-1]}")
         self.qtype, self.shape, self.dtype = qtype, tuple(shape), dtype
+        self.host = False
         self.register_buffer("blocks", torch.empty(*shape[:-1], shape[-1] // values * size, dtype=torch.uint8))
 
     def __getitem__(self, index) -> torch.Tensor:
-        """The entries `index` selects along the first axis, dequantized (an expert's [rows, cols] for an int)."""
-        return quant_blocks.dequantize(self.blocks[index], self.qtype).to(self.dtype)
+        """The entries `index` selects along the first axis, dequantized (an expert's [rows, cols] for an int), on
+        the index's device (a tensor index) or the blocks' (else)."""
+        device = index.device if isinstance(index, torch.Tensor) else self.blocks.device
+        if isinstance(index, torch.Tensor):
+            index = index.to(self.blocks.device)
+        return quant_blocks.dequantize(self.blocks[index], self.qtype).to(device=device, dtype=self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """As an embedding table: the rows of `ids` (any shape) -> [*ids.shape, dim]."""
@@ -39,20 +44,29 @@ class QuantizedStack(nn.Module):
     def dequantize(self) -> torch.Tensor:
         return self[:]
 
+    def keep_on_host(self) -> None:
+        """Keep the blocks in host memory, pinned where a GPU is present (a GPU reads the rows it looks up there in
+        place: kernels/quant_tiles.gather_rows), whatever device the model is moved to."""
+        if self.blocks.is_meta:      # not allocated yet (a model being built): the host's copy is the first
+            blocks = torch.empty(self.blocks.shape, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        else:
+            blocks = self.blocks.to("cpu")
+            blocks = blocks.pin_memory() if torch.cuda.is_available() else blocks
+        self.blocks = blocks
+        self.host = True
+
     def _apply(self, fn, recurse=True):
         # A cast of the model (.to(dtype), .half()) changes the dtype the experts are dequantized to; the blocks
-        # stay uint8 and only move.
+        # stay uint8 and only move (unless kept on the host).
+        blocks = self.blocks
         super()._apply(fn, recurse)
-        self.dtype = fn(torch.empty(0, dtype=self.dtype, device=self.blocks.device)).dtype
+        self.dtype = fn(torch.empty(0, dtype=self.dtype, device=blocks.device)).dtype
+        if self.host:
+            self.blocks = blocks
         return self
 
     def extra_repr(self) -> str:
-        return f"{self.qtype}, shape={self.shape}, dtype={self.dtype}"
-
-
-def is_quantized(experts: nn.Module) -> bool:
-    """Whether an `Experts` module keeps either stack quantized."""
-    return isinstance(experts.gate_up_proj, QuantizedStack) or isinstance(experts.down_proj, QuantizedStack)
+        return f"{self.qtype}, shape={self.shape}, dtype={self.dtype}" + (", on the host" if self.host else "")
 
 
 def keep_quantized(model: nn.Module, stacks: dict[str, tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> None:

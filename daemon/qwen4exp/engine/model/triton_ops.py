@@ -17,10 +17,10 @@ import torch.nn.functional as F
 
 from ...kernels import conv as conv_kernels
 from ...kernels import delta_rule as delta_rule_kernels
-from ...kernels import gated_norm, hyper, moe, qsa_attention, qsa_select, rope, router, row_products
+from ...kernels import gated_norm, hyper, moe, qsa_attention, qsa_select, quant_tiles, rope, router, row_products
 from . import conv, delta_rule, qsa
 from .ops import TorchOps
-from .quantized import is_quantized
+from .quantized import QuantizedStack
 
 
 class TritonOps(TorchOps):
@@ -53,12 +53,16 @@ class TritonOps(TorchOps):
         return super().route(logits, top_k, normalize, step)
 
     def experts(self, x, ids, weights, experts, shared, step):
-        if is_quantized(experts):   # the fused kernels read dense stacks: GGML blocks take the torch form
-            return super().experts(x, ids, weights, experts, shared, step)
         if step.decode:
             return moe.moe_rows(x, ids, weights, experts.gate_up_proj, experts.down_proj, step.flags, shared)
         routed = moe.moe_grouped(x, ids, weights, experts.gate_up_proj, experts.down_proj)
         return routed + torch.sigmoid(shared[1]) * shared[0]
+
+    def table_rows(self, table, rows):
+        # A quantized table's rows dequantized in one launch (bit for bit the torch form's values)
+        if isinstance(table, QuantizedStack) and table.blocks.dim() == 2:
+            return quant_tiles.gather_rows(table.blocks, table.qtype, rows, table.dtype)
+        return super().table_rows(table, rows)
 
     def causal_conv(self, x, weight, dilation, kept, step):
         if step.decode:

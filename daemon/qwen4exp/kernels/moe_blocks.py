@@ -1,0 +1,242 @@
+"""The routed experts' products over GGML blocks: the kernels of moe.py for an expert stack kept quantized.
+
+A stack kept quantized (engine/model/quantized.py's QuantizedStack: `blocks` uint8 [E, rows, row bytes], `qtype`,
+`shape`) never exists dense on the device. Each kernel reads the blocks of the weight rows it multiplies and
+dequantizes them in registers (quant_tiles.py), in tiles of whole 32-value groups:
+
+* decode (`rows_gate_up`, `rows_down`): a (row, slot) pair's matrix-vector products, as moe.py's dense ones:
+  [BLOCK_N, GROUPS, 32] tiles of weights against the row's values, float32 sums, fixed grids (CUDA-graph safe);
+* prefill (`grouped_gate_up`, `grouped_down`): the grouped GEMMs over pairs sorted by expert, each weight tile
+  dequantized, rounded to x's dtype and fed to the tensor cores as the dense kernels' tiles are; a chunk whose
+  experts get many pairs each runs the dense kernels on the stack dequantized whole instead (`dense_for_chunk`:
+  dequantizing a tile once per row block of its expert costs more than streaming the dense twin once).
+
+Numerics: the decode kernels multiply by the dequantized weights in float32 (llama.cpp's values exactly, not
+rounded to x's dtype, which would add instructions to every weight of a memory-bound step); the prefill GEMMs
+round each tile to x's dtype for the tensor cores, which is the dense twin's value (QuantizedStack's entries), so
+a chunk's products are the dense kernels' on the twin. Every other rounding point of moe.py's kernels is kept.
+moe.py chooses per stack, so gate/up and down may be of different types (or one dense), as in llama.cpp's mixes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .guard import tl, triton
+from .quant_tiles import dequantize_groups, dequantize_stack, grid_for
+
+# Decode: as moe.py's ROWS_* (the same weight rows per program, 512 and 128 values a step along the row).
+ROWS_GATE_UP = dict(BLOCK_N=8, GROUPS=16, num_warps=4)
+ROWS_DOWN = dict(BLOCK_N=16, GROUPS=4, num_warps=4)
+# Prefill: from this many pairs per expert on average (a 52-token chunk of the full model: 512 experts, top-10),
+# a quantized stack is dequantized whole for the chunk (dense_for_chunk).
+DENSE_FROM = 1
+
+
+if triton is not None:
+    from .quant_tiles import LANES
+    from .rounding import round_to, silu_mul
+
+    @triton.jit
+    def _rows_gate_up_blocks_kernel(x_ptr, ids_ptr, active_ptr, w_ptr, grid_ptr, h_ptr, hidden, inter, top_k, row_bytes,
+                             QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+                             BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+        """h[pair, n] = silu(gate_n . x_row) * (up_n . x_row) for one (row, slot) pair and BLOCK_N features."""
+        pair = tl.program_id(0)
+        row = pair // top_k
+        if HAS_ACTIVE:
+            if tl.load(active_ptr + row) == 0:
+                return
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        dtype = h_ptr.dtype.element_ty
+        feat = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        feat_ok = (feat < inter)[:, None, None]
+        gate_rows = w_ptr + ((expert * 2 * inter + feat) * row_bytes)[:, None, None]
+        up_rows = gate_rows + inter * row_bytes
+        group = (tl.arange(0, GROUPS) * LANES)[None, :, None]
+        lane = tl.arange(0, LANES)[None, None, :]
+        x_row = x_ptr + row.to(tl.int64) * hidden
+        acc_gate = tl.zeros([BLOCK_N, GROUPS, LANES], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, GROUPS, LANES], dtype=tl.float32)
+        for start in range(0, hidden, GROUPS * LANES):
+            col = start + group
+            col_ok = col < hidden
+            xv = tl.load(x_row + col + lane, mask=col_ok, other=0.0).to(tl.float32)
+            ok = feat_ok & col_ok
+            gate = dequantize_groups(gate_rows, col, lane, ok, grid_ptr, QTYPE)
+            up = dequantize_groups(up_rows, col, lane, ok, grid_ptr, QTYPE)
+            acc_gate += gate * xv
+            acc_up += up * xv
+        h = silu_mul(tl.sum(tl.sum(acc_gate, axis=2), axis=1), tl.sum(tl.sum(acc_up, axis=2), axis=1), dtype,
+                      INTERPRETED)
+        tl.store(h_ptr + pair.to(tl.int64) * inter + feat, h, mask=feat < inter)
+
+    @triton.jit
+    def _rows_down_blocks_kernel(h_ptr, ids_ptr, weights_ptr, active_ptr, w_ptr, grid_ptr, y_ptr, hidden, inter, top_k,
+                          row_bytes, QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+                          BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+        """y[pair, n] = weight[pair] * (down_n . h[pair]) in float32, for BLOCK_N output features."""
+        pair = tl.program_id(0)
+        row = pair // top_k
+        if HAS_ACTIVE:
+            if tl.load(active_ptr + row) == 0:
+                return
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        feat = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        feat_ok = (feat < hidden)[:, None, None]
+        w_rows = w_ptr + ((expert * hidden + feat) * row_bytes)[:, None, None]
+        group = (tl.arange(0, GROUPS) * LANES)[None, :, None]
+        lane = tl.arange(0, LANES)[None, None, :]
+        h_row = h_ptr + pair.to(tl.int64) * inter
+        acc = tl.zeros([BLOCK_N, GROUPS, LANES], dtype=tl.float32)
+        for start in range(0, inter, GROUPS * LANES):
+            col = start + group
+            col_ok = col < inter
+            hv = tl.load(h_row + col + lane, mask=col_ok, other=0.0).to(tl.float32)
+            w = dequantize_groups(w_rows, col, lane, feat_ok & col_ok, grid_ptr, QTYPE)
+            acc += w * hv
+        y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
+        tl.store(y_ptr + pair.to(tl.int64) * hidden + feat, y, mask=feat < hidden)
+
+    @triton.jit
+    def _weight_tile(rows, start, limit, feat_ok, grid_ptr, dtype: tl.constexpr, QTYPE: tl.constexpr,
+                     INTERPRETED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The [BLOCK_K, BLOCK_N] tile of columns start.. of BLOCK_N weight rows (`rows` [1, 1, BLOCK_N] byte
+        pointers), dequantized and rounded to `dtype`, laid out as tl.dot's right operand."""
+        col = start + (tl.arange(0, BLOCK_K // LANES) * LANES)[:, None, None]
+        lane = tl.arange(0, LANES)[None, :, None]
+        values = dequantize_groups(rows, col, lane, (col < limit) & feat_ok, grid_ptr, QTYPE)
+        return round_to(tl.reshape(values, [BLOCK_K, BLOCK_N]), dtype, INTERPRETED)
+
+    @triton.jit
+    def _grouped_gate_up_blocks_kernel(x_ptr, pair_of_row_ptr, expert_of_block_ptr, w_ptr, grid_ptr, h_ptr,
+                                num_pairs, num_experts, hidden, inter, top_k, row_bytes, QTYPE: tl.constexpr,
+                                INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr):
+        """moe.py's grouped gate/up GEMM with each weight tile dequantized from the expert's blocks."""
+        pid = tl.program_id(0)
+        blocks_n = tl.cdiv(inter, BLOCK_N)
+        block_m = pid // blocks_n
+        block_n = pid % blocks_n
+        expert = tl.load(expert_of_block_ptr + block_m).to(tl.int64)
+        if expert >= num_experts:
+            return
+        dtype = h_ptr.dtype.element_ty
+        rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_of_row_ptr + rows)
+        pair_ok = pair < num_pairs
+        token = tl.where(pair_ok, pair // top_k, 0).to(tl.int64)
+        feat = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        feat_ok = (feat < inter)[None, None, :]
+        gate_rows = w_ptr + ((expert * 2 * inter + feat) * row_bytes)[None, None, :]
+        up_rows = gate_rows + inter * row_bytes
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + token[:, None] * hidden + ks[None, :]
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_K):
+            a = tl.load(x_ptrs, mask=pair_ok[:, None] & (ks < hidden - start)[None, :], other=0.0)
+            gate = _weight_tile(gate_rows, start, hidden, feat_ok, grid_ptr, dtype, QTYPE, INTERPRETED, BLOCK_K,
+                                BLOCK_N)
+            up = _weight_tile(up_rows, start, hidden, feat_ok, grid_ptr, dtype, QTYPE, INTERPRETED, BLOCK_K, BLOCK_N)
+            if INTERPRETED:
+                a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
+            acc_gate = tl.dot(a, gate, acc_gate)
+            acc_up = tl.dot(a, up, acc_up)
+            x_ptrs += BLOCK_K
+        h = silu_mul(acc_gate, acc_up, dtype, INTERPRETED)
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * inter + feat[None, :], h, mask=(feat < inter)[None, :])
+
+    @triton.jit
+    def _grouped_down_blocks_kernel(h_ptr, pair_of_row_ptr, expert_of_block_ptr, weights_ptr, w_ptr, grid_ptr, y_ptr,
+                             num_pairs, num_experts, hidden, inter, row_bytes, QTYPE: tl.constexpr,
+                             INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        """moe.py's grouped down GEMM with each weight tile dequantized from the expert's blocks."""
+        pid = tl.program_id(0)
+        blocks_n = tl.cdiv(hidden, BLOCK_N)
+        block_m = pid // blocks_n
+        block_n = pid % blocks_n
+        expert = tl.load(expert_of_block_ptr + block_m).to(tl.int64)
+        if expert >= num_experts:
+            return
+        dtype = h_ptr.dtype.element_ty
+        rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_of_row_ptr + rows)
+        pair_ok = pair < num_pairs
+        feat = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        feat_ok = feat < hidden
+        w_rows = w_ptr + ((expert * hidden + feat) * row_bytes)[None, None, :]
+        ks = tl.arange(0, BLOCK_K)
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * inter + ks[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, inter, BLOCK_K):
+            a = tl.load(h_ptrs, mask=(ks < inter - start)[None, :], other=0.0)
+            w = _weight_tile(w_rows, start, inter, feat_ok[None, None, :], grid_ptr, dtype, QTYPE, INTERPRETED,
+                             BLOCK_K, BLOCK_N)
+            if INTERPRETED:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(a, w, acc)
+            h_ptrs += BLOCK_K
+        route = tl.load(weights_ptr + pair, mask=pair_ok, other=0.0).to(tl.float32)
+        y = round_to(acc * route[:, None], y_ptr.dtype.element_ty, INTERPRETED)
+        safe_pair = tl.where(pair_ok, pair, 0).to(tl.int64)
+        tl.store(y_ptr + safe_pair[:, None] * hidden + feat[None, :], y, mask=pair_ok[:, None] & feat_ok[None, :])
+
+
+def _operands(stack) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(blocks, the level table, bytes per row) of a quantized stack."""
+    blocks = stack.blocks
+    if not blocks.is_contiguous():
+        raise ValueError("a quantized expert stack's blocks must be contiguous")
+    return blocks, grid_for(stack.qtype, blocks), blocks.shape[-1]
+
+
+def rows_gate_up(x, ids, flags, stack, h, top_k: int, common: dict) -> None:
+    """moe.py's decode gate/up launch for a quantized [E, 2I, H] stack."""
+    blocks, grid_table, row_bytes = _operands(stack)
+    pairs, inter = h.shape
+    grid = (pairs, triton.cdiv(inter, ROWS_GATE_UP["BLOCK_N"]))
+    _rows_gate_up_blocks_kernel[grid](x, ids, flags, blocks, grid_table, h, x.shape[1], inter, top_k, row_bytes,
+                               QTYPE=stack.qtype, **common, **ROWS_GATE_UP)
+
+
+def rows_down(h, ids, weights, flags, stack, y, top_k: int, common: dict) -> None:
+    """moe.py's decode down launch for a quantized [E, H, I] stack."""
+    blocks, grid_table, row_bytes = _operands(stack)
+    pairs, hidden = y.shape
+    grid = (pairs, triton.cdiv(hidden, ROWS_DOWN["BLOCK_N"]))
+    _rows_down_blocks_kernel[grid](h, ids, weights, flags, blocks, grid_table, y, hidden, h.shape[1], top_k, row_bytes,
+                            QTYPE=stack.qtype, **common, **ROWS_DOWN)
+
+
+def dense_for_chunk(stack, pairs: int):
+    """The stack to run a prompt chunk of `pairs` (token, slot) pairs with: a quantized stack dequantized whole
+    (quant_tiles.dequantize_stack: its dense twin, in a temporary) when the chunk gives its experts at least
+    DENSE_FROM pairs each on average, so that the grouped GEMMs stream dense tiles as they do for a dense model;
+    else the stack itself (its tiles are dequantized in the GEMMs, each as many times as the expert has row
+    blocks). Chosen by the shapes alone."""
+    if isinstance(stack, torch.Tensor) or pairs < DENSE_FROM * stack.shape[0]:
+        return stack
+    return dequantize_stack(stack)
+
+
+def grouped_gate_up(x, pair_of_row, expert_of_block, stack, h, pairs: int, top_k: int, config: dict,
+                    common: dict) -> None:
+    """moe.py's grouped gate/up launch for a quantized stack."""
+    blocks, grid_table, row_bytes = _operands(stack)
+    inter = h.shape[1]
+    grid = (expert_of_block.numel() * triton.cdiv(inter, config["BLOCK_N"]),)
+    _grouped_gate_up_blocks_kernel[grid](x, pair_of_row, expert_of_block, blocks, grid_table, h, pairs, blocks.shape[0],
+                                  x.shape[1], inter, top_k, row_bytes, QTYPE=stack.qtype, **common, **config)
+
+
+def grouped_down(h, pair_of_row, expert_of_block, weights, stack, y, pairs: int, config: dict,
+                 common: dict) -> None:
+    """moe.py's grouped down launch for a quantized stack."""
+    blocks, grid_table, row_bytes = _operands(stack)
+    hidden = y.shape[1]
+    grid = (expert_of_block.numel() * triton.cdiv(hidden, config["BLOCK_N"]),)
+    _grouped_down_blocks_kernel[grid](h, pair_of_row, expert_of_block, weights, blocks, grid_table, y, pairs,
+                               blocks.shape[0], hidden, h.shape[1], row_bytes, QTYPE=stack.qtype, **common,
+                               **config)

@@ -1,0 +1,186 @@
+"""GGML's quantized blocks dequantized in registers, inside the kernels that multiply by them.
+
+A quantized weight is uint8 rows, each a run of blocks (engine/model/quant_blocks.py has the layouts and the torch
+forms). Every type splits a row into groups of 32 values that share their scales, so the kernels walk a weight
+in tiles of whole groups: `dequantize_groups` takes each row's first byte, the first column of each group and the
+32 lanes of a group (any broadcastable shapes, so a kernel lays the tile out as its product wants it), loads a
+group's scale fields once and each value's quant bits, and gives the values in float32.
+
+Exactness: the values equal the torch form's (and so gguf.quants.dequantize's) bit for bit. The products are
+formed in the reference's order (d times the sub-block scale first, then the quant, the min subtracted last), and
+where an add follows a product that product is exact in float32 (an f16 scale has 11 significant bits, a quant
+and a 6-bit sub-block scale at most 14 more), so whether the compiler fuses them into an FMA changes nothing.
+The gathers here and the prefill GEMMs' tiles round them to the model's dtype, as the torch form's `.to(dtype)`
+does; the decode kernels multiply by them in float32 (moe_blocks.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..engine.model.quant_blocks import IQ4_VALUES, LAYOUTS
+from .guard import interpreted, tl, triton
+
+QTYPES = tuple(LAYOUTS)
+GROUP = 32   # values that share their scale fields, in every type above
+
+
+@functools.cache
+def iq4_grid(device: torch.device) -> torch.Tensor:
+    """IQ4_NL's and IQ4_XS's 16 levels as float32 on `device` (kept: a captured CUDA graph reads it)."""
+    return torch.tensor(IQ4_VALUES, dtype=torch.float32, device=device)
+
+
+def grid_for(qtype: str, like: torch.Tensor) -> torch.Tensor:
+    """The level table a kernel reads for `qtype` (IQ4 types), else any tensor: never read."""
+    return iq4_grid(like.device) if qtype.startswith("IQ4") else like
+
+
+if triton is not None:
+    from .rounding import round_to
+
+    LANES = tl.constexpr(GROUP)    # GROUP, as jitted code reads a global
+
+    @triton.jit
+    def _u8(ptr, mask):
+        return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+    @triton.jit
+    def _f16(ptr, mask):
+        """The little-endian float16 at `ptr` (2 bytes, any alignment) as float32."""
+        low = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+        high = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+        return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _nibble(ptr, lane, mask):
+        """Lane 0..31 of a 32-value run stored as 16 bytes at `ptr`: low nibbles hold 0..15, high 16..31."""
+        return (_u8(ptr + (lane & 15), mask) >> ((lane >> 4) * 4)) & 15
+
+    @triton.jit
+    def _bit(ptr, lane, mask):
+        """Bit `lane` of the little-endian 32-bit field at `ptr` (the fifth bit of Q5_0/Q5_1 quants)."""
+        return (_u8(ptr + (lane >> 3), mask) >> (lane & 7)) & 1
+
+    @triton.jit
+    def _k_scale_min(ptr, j, mask):
+        """Sub-block j's 6-bit (scale, min) of a Q4_K/Q5_K block, from the 12 scale bytes at `ptr`, as float32."""
+        low = _u8(ptr + (j & 3), mask)
+        mid = _u8(ptr + 4 + (j & 3), mask)
+        high = _u8(ptr + 8 + (j & 3), mask)
+        first = j < 4
+        scale = tl.where(first, low & 63, (high & 15) | ((low >> 6) << 4))
+        minimum = tl.where(first, mid & 63, (high >> 4) | ((mid >> 6) << 4))
+        return scale.to(tl.float32), minimum.to(tl.float32)
+
+    @triton.jit
+    def dequantize_groups(row, col, lane, mask, grid_ptr, QTYPE: tl.constexpr):
+        """float32 values of 32-value groups: `row` points at each row's first byte, `col` is each group's first
+        column (a multiple of 32), `lane` 0..31 the value in its group; `mask` says which (row, group) exist.
+        grid_ptr: iq4_grid for the IQ4 types (unread otherwise)."""
+        if QTYPE == "Q8_0":
+            base = row + (col // 32) * 34
+            q = tl.load(base + 2 + lane, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            return _f16(base, mask) * q
+        elif QTYPE == "Q4_0":
+            base = row + (col // 32) * 18
+            return _f16(base, mask) * (_nibble(base + 2, lane, mask).to(tl.float32) - 8)
+        elif QTYPE == "Q4_1":
+            base = row + (col // 32) * 20
+            return _f16(base, mask) * _nibble(base + 4, lane, mask).to(tl.float32) + _f16(base + 2, mask)
+        elif QTYPE == "Q5_0":
+            base = row + (col // 32) * 22
+            q = _nibble(base + 6, lane, mask) | (_bit(base + 2, lane, mask) << 4)
+            return _f16(base, mask) * (q.to(tl.float32) - 16)
+        elif QTYPE == "Q5_1":
+            base = row + (col // 32) * 24
+            q = _nibble(base + 8, lane, mask) | (_bit(base + 4, lane, mask) << 4)
+            return _f16(base, mask) * q.to(tl.float32) + _f16(base + 2, mask)
+        elif QTYPE == "Q4_K":
+            base = row + (col // 256) * 144
+            j = (col % 256) // 32
+            scale, minimum = _k_scale_min(base + 4, j, mask)
+            q = (_u8(base + 16 + (j >> 1) * 32 + lane, mask) >> ((j & 1) * 4)) & 15
+            return (_f16(base, mask) * scale) * q.to(tl.float32) - _f16(base + 2, mask) * minimum
+        elif QTYPE == "Q5_K":
+            base = row + (col // 256) * 176
+            j = (col % 256) // 32
+            scale, minimum = _k_scale_min(base + 4, j, mask)
+            low = (_u8(base + 48 + (j >> 1) * 32 + lane, mask) >> ((j & 1) * 4)) & 15
+            q = low | (((_u8(base + 16 + lane, mask) >> j) & 1) << 4)
+            return (_f16(base, mask) * scale) * q.to(tl.float32) - _f16(base + 2, mask) * minimum
+        elif QTYPE == "Q6_K":
+            # 256 values in two halves of 128, each four quarters of 32 (j = half * 4 + quarter); 16-value scales
+            base = row + (col // 256) * 210
+            j = (col % 256) // 32
+            half = j >> 2
+            quarter = j & 3
+            low = (_u8(base + half * 64 + (quarter & 1) * 32 + lane, mask) >> ((quarter >> 1) * 4)) & 15
+            high = (_u8(base + 128 + half * 32 + lane, mask) >> (quarter * 2)) & 3
+            q = (low | (high << 4)).to(tl.float32) - 32
+            scale = tl.load(base + 192 + j * 2 + (lane >> 4), mask=mask, other=0).to(tl.int8, bitcast=True)
+            return (_f16(base + 208, mask) * scale.to(tl.float32)) * q
+        elif QTYPE == "IQ4_NL":
+            base = row + (col // 32) * 18
+            return _f16(base, mask) * tl.load(grid_ptr + _nibble(base + 2, lane, mask))
+        else:
+            tl.static_assert(QTYPE == "IQ4_XS", "no in-register form for this block type")
+            base = row + (col // 256) * 136
+            j = (col % 256) // 32
+            high = (_u8(base + 2, mask) | (_u8(base + 3, mask) << 8)) >> (j * 2) & 3
+            low = (_u8(base + 4 + (j >> 1), mask) >> ((j & 1) * 4)) & 15
+            scale = _f16(base, mask) * ((low | (high << 4)) - 32).to(tl.float32)
+            return scale * tl.load(grid_ptr + _nibble(base + 8 + j * 16, lane, mask))
+
+    @triton.jit
+    def _gather_rows_kernel(blocks_ptr, ids_ptr, grid_ptr, out_ptr, n_ids, cols, row_bytes, INTERPRETED: tl.constexpr,
+                            QTYPE: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+        """out[i, cols of this program] = row ids[i] of the blocks, dequantized and rounded to out's dtype, for ROWS
+        ids."""
+        i = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None, None]
+        row = tl.load(ids_ptr + i, mask=i < n_ids, other=0).to(tl.int64)
+        col = tl.program_id(1) * GROUPS * LANES + (tl.arange(0, GROUPS) * LANES)[None, :, None]
+        lane = tl.arange(0, LANES)[None, None, :]
+        ok = (i < n_ids) & (col < cols)
+        values = dequantize_groups(blocks_ptr + row * row_bytes, col, lane, ok, grid_ptr, QTYPE)
+        tl.store(out_ptr + i * cols + col + lane, round_to(values, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+
+
+# A gather program's tile: ROWS rows of GROUPS groups (1024 values; 128 columns divide the model's row lengths)
+GATHER = dict(ROWS=8, GROUPS=4, num_warps=4)
+
+
+def gather_rows(blocks: torch.Tensor, qtype: str, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` (any shape) of a [rows, row bytes] table of `qtype` blocks -> [*ids.shape, values] in `dtype` on
+    ids' device: the torch form's `dequantize(blocks[ids]).to(dtype)`, bit for bit, in one launch. The blocks may be
+    in pinned host memory, which the GPU reads in place (only the rows looked up cross the bus)."""
+    per_block, size = LAYOUTS[qtype]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[-1] % size or not blocks.is_contiguous():
+        raise ValueError(f"a {qtype} table is contiguous uint8 [rows, whole {size}-byte blocks], got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    cols = blocks.shape[1] // size * per_block
+    flat = ids.reshape(-1).contiguous()
+    out = torch.empty(flat.numel(), cols, dtype=dtype, device=ids.device)
+    if flat.numel():
+        grid = (triton.cdiv(flat.numel(), GATHER["ROWS"]), triton.cdiv(cols, GATHER["GROUPS"] * GROUP))
+        _gather_rows_kernel[grid](blocks, flat, grid_for(qtype, out), out, flat.numel(), cols, blocks.shape[1],
+                                  INTERPRETED=interpreted(out), QTYPE=qtype, **GATHER)
+    return out.reshape(*ids.shape, cols)
+
+
+def dequantize_stack(stack) -> torch.Tensor:
+    """A QuantizedStack's whole tensor in its dtype (as `stack.dequantize()` gives it, bit for bit), in one launch."""
+    blocks = stack.blocks.reshape(-1, stack.blocks.shape[-1])
+    ids = torch.arange(blocks.shape[0], device=blocks.device)
+    return gather_rows(blocks, stack.qtype, ids, stack.dtype).reshape(stack.shape)
+
+
+def dequantize_rows(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """uint8 rows [..., row bytes] of `qtype` -> float32 [..., values], in the kernels' in-register form (the tests
+    hold it to the torch form bit for bit)."""
+    flat = blocks.reshape(-1, blocks.shape[-1]).contiguous()
+    ids = torch.arange(flat.shape[0], device=blocks.device)
+    out = gather_rows(flat, qtype, ids, torch.float32)
+    return out.reshape(*blocks.shape[:-1], out.shape[-1])
