@@ -1,7 +1,7 @@
 """What the prompt chunk costs and buys on a GPU: the fit's chunk workspace and a long prompt's prefill time.
 
-    python bench/chunk_sweep.py --out chunks.json [--checkpoint DIR | --layers 8] [--position 65536]
-        [--rows 256,512,1024,2048,4096] [--prompt 16384] [--chunks 1024,2048,4096]
+    python bench/chunk_sweep.py --out chunks.json [--checkpoint DIR | --preset bench|full --layers N --quant MIX]
+        [--position 65536] [--rows 256,512,1024,2048,4096] [--prompt 16384] [--chunks 1024,2048,4096]
 
 1. For each --rows: the workspace `max_ctx = "auto"` budgets for a chunk of that many rows, measured as the fit
    measures it (engine/fit_measure.measure_workspace: the chunk run at --position of a one-slot state, its
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
-    model = bench_model(args.checkpoint, args.layers)
+    model = bench_model(args)
     limit = model.config.eos_token_id
     report: dict = {"position": args.position, "prompt": args.prompt}
     report["workspace_mib"] = {rows: round(measure_workspace(model, device, args.position, rows) / 2**20, 1)

@@ -1,6 +1,7 @@
 """Where a replayed decode step spends its GPU time, kernel by kernel.
 
-    python bench/decode_trace.py --out trace.json [--checkpoint DIR | --layers 8] [--slots 4] [--context 8192]
+    python bench/decode_trace.py --out trace.json [--checkpoint DIR | --preset bench|full --layers N --quant MIX]
+        [--slots 4] [--context 8192]
 
 For 1 and `--slots` busy slots (64-token prompts): the engine's wall time per decode step (50 steps), then the
 torch profiler over 20 steps, which sees each kernel inside the replayed CUDA graph (the eager profile of
@@ -61,7 +62,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="profiled steps")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    model = bench_model(args.checkpoint, args.layers)
+    model = bench_model(args)
     engine = Engine.from_config(model, EngineConfig(slots=args.slots, max_ctx=args.context, chunk=4096))
     report = {}
     for busy in sorted({1, args.slots}):

@@ -1,7 +1,7 @@
 """Where a decode step and a prompt chunk spend their time on a GPU.
 
-    python bench/profile_step.py [--checkpoint DIR | --layers 8] [--slots 4] [--prompt 4096] [--long 16384]
-        --out profile.txt
+    python bench/profile_step.py [--checkpoint DIR | --preset bench|full [--layers N] [--quant ud-q4_k_xl]]
+        [--slots 4] [--prompt 4096] [--long 16384] --out profile.txt
 
 1. decode ms per step (1 and `--slots` busy) for each decode mode: the CUDA graph, the eager step, and the
    graph of the torch.compile'd step (`--compile`);
@@ -27,18 +27,23 @@ from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.request import Request
 
 
-def bench_model(checkpoint: str | None, layers: int):
-    """The checkpoint's model in bfloat16 on the GPU, else the bench preset's `layers` layers with random weights
-    built there."""
-    if checkpoint:
-        return load_model(checkpoint, dtype="bfloat16", device="cuda", progress=False)
-    return random_model("bench", layers, torch.bfloat16, "cuda")
+def bench_model(args):
+    """The checkpoint's model in bfloat16 on the GPU, else the preset's (`--layers` layers of it) with random
+    weights built there, the quantized ones as random blocks with `--quant`."""
+    if args.checkpoint:
+        return load_model(args.checkpoint, dtype="bfloat16", device="cuda", progress=False)
+    return random_model(args.preset, args.layers, torch.bfloat16, "cuda", quant=args.quant)
 
 
 def add_model_arguments(parser) -> None:
-    """--checkpoint and --layers, the choice `bench_model` takes (shared by the GPU benches built on it)."""
-    parser.add_argument("--checkpoint", help="a checkpoint directory; else random bench weights on the GPU")
-    parser.add_argument("--layers", type=int, default=8, help="without --checkpoint: bench preset layers")
+    """--checkpoint, or --preset, --layers and --quant: the choice `bench_model` takes (shared by the GPU benches
+    built on it)."""
+    parser.add_argument("--checkpoint", help="a checkpoint directory; else random weights on the GPU")
+    parser.add_argument("--preset", default="bench", choices=("bench", "full"), help="without --checkpoint")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="without --checkpoint: the preset's first N layers (the bench preset has 8)")
+    parser.add_argument("--quant", default=None, help="without --checkpoint: a GGUF mix whose quantized weights are "
+                        "random blocks (ud-q4_k_xl, q8_0, ...)")
 
 
 def submit_busy(engine: Engine, busy: int, prompt: int, tokens: int, limit: int, seed: int) -> list[Request]:
@@ -102,7 +107,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    model = bench_model(args.checkpoint, args.layers)
+    model = bench_model(args)
     limit = model.config.eos_token_id
     context = max(args.prompt, args.long) + 4 * args.steps + 64
     report, timings = [], {}

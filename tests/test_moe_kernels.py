@@ -127,7 +127,8 @@ def check_rows_shared_term_matches_torch():
 def check_grouped_match_reference():
     import torch
 
-    from qwen4exp.kernels.moe import group_pairs_by_expert, moe_grouped
+    from qwen4exp.kernels.expert_groups import group_pairs_by_expert
+    from qwen4exp.kernels.moe import moe_grouped
 
     for dtype_name in ("bfloat16", "float16"):
         gate_up, down, gen, dtype = _setup(dtype_name, seed=2)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import guard, moe_blocks
+from .expert_groups import group_pairs_by_expert
 from .guard import interpreted, tl, triton
 
 # Fixed configs, never tuned per call: results must not depend on T. Chosen by the arithmetic below and
@@ -79,6 +80,7 @@ def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: t
 
 
 if triton is not None:
+    from .expert_groups import tile_of, tile_pairs
     from .rounding import round_to, rounded, silu_mul
 
     @triton.jit
@@ -170,21 +172,12 @@ if triton is not None:
     def _grouped_gate_up_kernel(x_ptr, pair_of_row_ptr, expert_of_block_ptr, w_ptr, h_ptr,
                                 num_pairs, num_experts, hidden, inter, top_k, INTERPRETED: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """h[padded row] = silu(x[token] @ gate^T) * (x[token] @ up^T) for one row block and BLOCK_N features.
-        Program ids run over the feature blocks of one row block first, so the programs in flight share
-        their rows of x and a few experts' weights through L2."""
-        pid = tl.program_id(0)
-        blocks_n = tl.cdiv(inter, BLOCK_N)
-        block_m = pid // blocks_n
-        block_n = pid % blocks_n
-        expert = tl.load(expert_of_block_ptr + block_m).to(tl.int64)
+        """h[padded row] = silu(x[token] @ gate^T) * (x[token] @ up^T) for one row block and BLOCK_N features."""
+        block_m, expert, feat = tile_of(tl.program_id(0), inter, expert_of_block_ptr, BLOCK_N)
         if expert >= num_experts:
             return  # past the last padded group: the grid is sized by an upper bound
-        rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pair_of_row_ptr + rows)
-        pair_ok = pair < num_pairs  # padding rows hold num_pairs
+        rows, pair, pair_ok = tile_pairs(block_m, pair_of_row_ptr, num_pairs, BLOCK_M)
         token = tl.where(pair_ok, pair // top_k, 0).to(tl.int64)
-        feat = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
         feat_ok = feat < inter
         ks = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + token[:, None] * hidden + ks[None, :]
@@ -213,17 +206,10 @@ if triton is not None:
                              num_pairs, num_experts, hidden, inter, INTERPRETED: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """y[pair] = weight[pair] * (h[padded row] @ down^T), rounded to y's dtype, for BLOCK_N features."""
-        pid = tl.program_id(0)
-        blocks_n = tl.cdiv(hidden, BLOCK_N)
-        block_m = pid // blocks_n
-        block_n = pid % blocks_n
-        expert = tl.load(expert_of_block_ptr + block_m).to(tl.int64)
+        block_m, expert, feat = tile_of(tl.program_id(0), hidden, expert_of_block_ptr, BLOCK_N)
         if expert >= num_experts:
             return
-        rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pair_of_row_ptr + rows)
-        pair_ok = pair < num_pairs
-        feat = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, pair, pair_ok = tile_pairs(block_m, pair_of_row_ptr, num_pairs, BLOCK_M)
         feat_ok = feat < hidden
         ks = tl.arange(0, BLOCK_K)
         h_ptrs = h_ptr + rows[:, None].to(tl.int64) * inter + ks[None, :]
@@ -296,31 +282,6 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
         _rows_down_kernel[grid](h, ids, weights, flag_arg, down, y, hidden, inter, top_k,
                                 HAS_ACTIVE=flags is not None, **ROWS_DOWN)
     return _combine(y, flags, rows, hidden, top_k, x.dtype, shared)
-
-
-def group_pairs_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lay the (token, slot) pairs (pair = token * k + slot) out by expert, each expert's group padded to a
-    multiple of block_m, with device-side ops only (no host sync). Returns (pair_of_row [R],
-    expert_of_block [R / block_m]) where R = block_m * (ceil(pairs / block_m) + num_experts) bounds the
-    padded total: a padding row holds the pair count, and a block past the last group holds num_experts.
-    Within a group the pairs keep ascending order (stable sort)."""
-    flat = ids.reshape(-1)
-    pairs = flat.numel()
-    device = flat.device
-    sorted_experts, order = torch.sort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    group_start = torch.cumsum(counts, 0) - counts
-    rank_in_group = torch.arange(pairs, device=device) - group_start[sorted_experts]
-    destination = (padded_end - padded)[sorted_experts] + rank_in_group
-    max_blocks = (pairs + block_m - 1) // block_m + num_experts
-    pair_of_row = torch.full((max_blocks * block_m,), pairs, dtype=torch.int32, device=device)
-    pair_of_row.scatter_(0, destination, order.to(torch.int32))
-    block_start = torch.arange(max_blocks, device=device, dtype=torch.int64) * block_m
-    expert_of_block = torch.searchsorted(padded_end, block_start, right=True).to(torch.int32)
-    return pair_of_row, expert_of_block
 
 
 def grouped_configs(device: torch.device, itemsize: int) -> tuple[dict, dict]:

@@ -34,13 +34,14 @@ DENSE_FROM = 1
 
 
 if triton is not None:
+    from .expert_groups import tile_of, tile_pairs
     from .quant_tiles import LANES
     from .rounding import round_to, silu_mul
 
     @triton.jit
     def _rows_gate_up_blocks_kernel(x_ptr, ids_ptr, active_ptr, w_ptr, grid_ptr, h_ptr, hidden, inter, top_k, row_bytes,
-                             QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
-                             BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+                                    QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
         """h[pair, n] = silu(gate_n . x_row) * (up_n . x_row) for one (row, slot) pair and BLOCK_N features."""
         pair = tl.program_id(0)
         row = pair // top_k
@@ -68,13 +69,13 @@ if triton is not None:
             acc_gate += gate * xv
             acc_up += up * xv
         h = silu_mul(tl.sum(tl.sum(acc_gate, axis=2), axis=1), tl.sum(tl.sum(acc_up, axis=2), axis=1), dtype,
-                      INTERPRETED)
+                     INTERPRETED)
         tl.store(h_ptr + pair.to(tl.int64) * inter + feat, h, mask=feat < inter)
 
     @triton.jit
     def _rows_down_blocks_kernel(h_ptr, ids_ptr, weights_ptr, active_ptr, w_ptr, grid_ptr, y_ptr, hidden, inter, top_k,
-                          row_bytes, QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
-                          BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+                                 row_bytes, QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
         """y[pair, n] = weight[pair] * (down_n . h[pair]) in float32, for BLOCK_N output features."""
         pair = tl.program_id(0)
         row = pair // top_k
@@ -110,23 +111,16 @@ if triton is not None:
 
     @triton.jit
     def _grouped_gate_up_blocks_kernel(x_ptr, pair_of_row_ptr, expert_of_block_ptr, w_ptr, grid_ptr, h_ptr,
-                                num_pairs, num_experts, hidden, inter, top_k, row_bytes, QTYPE: tl.constexpr,
-                                INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr):
+                                       num_pairs, num_experts, hidden, inter, top_k, row_bytes, QTYPE: tl.constexpr,
+                                       INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                       BLOCK_K: tl.constexpr):
         """moe.py's grouped gate/up GEMM with each weight tile dequantized from the expert's blocks."""
-        pid = tl.program_id(0)
-        blocks_n = tl.cdiv(inter, BLOCK_N)
-        block_m = pid // blocks_n
-        block_n = pid % blocks_n
-        expert = tl.load(expert_of_block_ptr + block_m).to(tl.int64)
+        block_m, expert, feat = tile_of(tl.program_id(0), inter, expert_of_block_ptr, BLOCK_N)
         if expert >= num_experts:
             return
         dtype = h_ptr.dtype.element_ty
-        rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pair_of_row_ptr + rows)
-        pair_ok = pair < num_pairs
+        rows, pair, pair_ok = tile_pairs(block_m, pair_of_row_ptr, num_pairs, BLOCK_M)
         token = tl.where(pair_ok, pair // top_k, 0).to(tl.int64)
-        feat = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
         feat_ok = (feat < inter)[None, None, :]
         gate_rows = w_ptr + ((expert * 2 * inter + feat) * row_bytes)[None, None, :]
         up_rows = gate_rows + inter * row_bytes
@@ -149,22 +143,15 @@ if triton is not None:
 
     @triton.jit
     def _grouped_down_blocks_kernel(h_ptr, pair_of_row_ptr, expert_of_block_ptr, weights_ptr, w_ptr, grid_ptr, y_ptr,
-                             num_pairs, num_experts, hidden, inter, row_bytes, QTYPE: tl.constexpr,
-                             INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                                    num_pairs, num_experts, hidden, inter, row_bytes, QTYPE: tl.constexpr,
+                                    INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                    BLOCK_K: tl.constexpr):
         """moe.py's grouped down GEMM with each weight tile dequantized from the expert's blocks."""
-        pid = tl.program_id(0)
-        blocks_n = tl.cdiv(hidden, BLOCK_N)
-        block_m = pid // blocks_n
-        block_n = pid % blocks_n
-        expert = tl.load(expert_of_block_ptr + block_m).to(tl.int64)
+        block_m, expert, feat = tile_of(tl.program_id(0), hidden, expert_of_block_ptr, BLOCK_N)
         if expert >= num_experts:
             return
         dtype = h_ptr.dtype.element_ty
-        rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pair_of_row_ptr + rows)
-        pair_ok = pair < num_pairs
-        feat = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows, pair, pair_ok = tile_pairs(block_m, pair_of_row_ptr, num_pairs, BLOCK_M)
         feat_ok = feat < hidden
         w_rows = w_ptr + ((expert * hidden + feat) * row_bytes)[None, None, :]
         ks = tl.arange(0, BLOCK_K)
