@@ -76,3 +76,16 @@ def test_no_import_circles_in_the_package():
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert "qwen4exp.server.generate_api" in graph["qwen4exp.server.app"]      # the finder reads imports
     assert _circles(graph) == []
+
+
+def test_the_kernels_import_nothing_of_ours_but_each_other():
+    """docs/ARCHITECTURE.md's rule: kernels/ stands alone (built and compiled ahead of time without the model)."""
+    modules = _modules()
+    def in_kernels(name: str) -> bool:
+        return name == "qwen4exp.kernels" or name.startswith("qwen4exp.kernels.")
+
+    kernels = {name: path for name, path in modules.items() if in_kernels(name)}
+    assert "qwen4exp.kernels.quant_tiles" in kernels
+    outside = {name: sorted(m for m in _imports(name, path, modules) if not in_kernels(m))
+               for name, path in kernels.items()}
+    assert {name: found for name, found in outside.items() if found} == {}

@@ -1,6 +1,6 @@
 """GGML's quantized blocks dequantized in registers, inside the kernels that multiply by them.
 
-A quantized weight is uint8 rows, each a run of blocks (engine/model/quant_blocks.py has the layouts and the torch
+A quantized weight is uint8 rows, each a run of blocks (LAYOUTS below; engine/model/quant_blocks.py has the torch
 forms). Every type splits a row into groups of 32 values that share their scales, so the kernels walk a weight
 in tiles of whole groups: `dequantize_groups` takes each row's first byte, the first column of each group and the
 32 lanes of a group (any broadcastable shapes, so a kernel lays the tile out as its product wants it), loads a
@@ -20,9 +20,13 @@ import functools
 
 import torch
 
-from ..engine.model.quant_blocks import IQ4_VALUES, LAYOUTS
 from .guard import interpreted, tl, triton
 
+# (values per block, bytes per block) of each block type
+LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
+# The non-linear 4-bit grid of IQ4_NL and IQ4_XS.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 QTYPES = tuple(LAYOUTS)
 GROUP = 32   # values that share their scale fields, in every type above
 

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import torch
 
-# (values per block, bytes per block)
-LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
-# The non-linear 4-bit grid of IQ4_NL and IQ4_XS.
-IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+from ...kernels.quant_tiles import IQ4_VALUES, LAYOUTS   # the formats, as the kernels read them too
 
 
 def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
