@@ -535,7 +535,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ple", choices=("device", "host"), default="device",
                    help="with --quant: keep the quantized PLE table in pinned host memory (as ple = 'host' does)")
     p.add_argument("--fit", action="store_true",
-                   help="also fit the largest context for --slots slots on the device, as max_ctx = 'auto' does")
+                   help="also fit the largest context for --slots slots and --chunk on the device, as the daemon "
+                        "does for max_ctx = 'auto' (the PLE table stays where --ple put it)")
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--hf-decode-steps", type=int, default=16, help="transformers decode steps timed")
     args = p.parse_args(argv)
@@ -610,9 +611,8 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
                        "dtype": args.dtype, "quant": args.quant, "ple": args.ple, **work.summary()}
 
     fit_s = 0.0
-    if args.fit:     # what `max_ctx = "auto"` would serve with --slots slots (the daemon's fit, measured here)
-        from qwen4exp.engine.fit import fit_context
-        fitted = fit_context(model, slots=args.slots, device=device, snapshots_on_device=False)
+    if args.fit:     # what `max_ctx = "auto"` serves with --slots slots and --chunk (the daemon's own fit)
+        fitted = EngineConfig(slots=args.slots, chunk=args.chunk, ple="device").resolve_context(model, device).fit
         result["fit"] = {"slots": args.slots, "context": fitted.context, "chunk": fitted.chunk,
                          "seconds": fitted.seconds, "notes": fitted.notes,
                          "weights_bytes": fitted.measured.weights if fitted.measured else None,
