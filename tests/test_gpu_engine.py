@@ -151,6 +151,8 @@ def test_a_quantized_ple_table_in_host_memory_gives_what_it_gives_on_the_device(
     from qwen4exp.engine.fit_measure import weight_bytes
     from test_engine_config import quantized_table_model
 
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA/ROCm device")
     path, _ = quantized_table_model(tmp_path)
     gpu = torch.device("cuda", 0)
     on_device = load_model(str(path), dtype="bfloat16", device=gpu, progress=False)
