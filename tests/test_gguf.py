@@ -277,3 +277,24 @@ def test_a_quantized_ple_table_can_be_kept_in_host_memory(tmp_path, tiny_checkpo
     assert table.blocks.device.type == "cpu" and table.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="this model's table is not quantized"):
         load_model(str(tiny_checkpoint), dtype="float32", device="cpu", progress=False, ple_on_host=True)
+
+
+def test_weights_kept_quantized_are_written_as_the_blocks_they_are(tmp_path):
+    """`init-checkpoint --format gguf` draws the weights a mix keeps quantized as random blocks (no dense copy of
+    the experts) and writes those blocks unchanged: read back, every expert stack holds the same bytes."""
+    from qwen4exp.checkpoint.random_weights import random_model
+    from qwen4exp.cli import main
+
+    model = random_model("tiny", dtype="float32", device="cpu", seed=3, quant="ud-q4_k_xl")
+    back = load_model(str(write_tiny(tmp_path / "blocks.gguf", "ud-q4_k_xl", model=model)), dtype="float32",
+                      device="cpu", progress=False)
+    ours = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedStack)}
+    theirs = {name: m for name, m in back.named_modules() if isinstance(m, QuantizedStack)}
+    assert ours.keys() == theirs.keys() and len(ours) == 2 * model.config.num_hidden_layers
+    assert all(torch.equal(ours[name].blocks, theirs[name].blocks) for name in ours)
+    out = tmp_path / "cli.gguf"
+    assert main(["init-checkpoint", "--preset", "tiny", "--format", "gguf", "--quant", "ud-q4_k_xl", "--seed", "3",
+                 "--out", str(out)]) == 0
+    written = load_model(str(out), dtype="float32", device="cpu", progress=False)
+    assert all(torch.equal(ours[name].blocks, module.blocks) for name, module in written.named_modules()
+               if isinstance(module, QuantizedStack))

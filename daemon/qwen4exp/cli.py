@@ -244,8 +244,10 @@ def _init_gguf(args: argparse.Namespace) -> int:
 
     if not args.out.endswith(".gguf"):
         raise SystemExit(f"error: --out {args.out!r}: a GGUF is one file; name it *.gguf")
+    # The weights the mix keeps quantized are drawn as random blocks and written as they are: no dense copy of
+    # the experts is made (the bench preset's would be 45 GiB in bfloat16).
     model = random_model(args.preset, args.layers, dtype=args.dtype, device=args.device, seed=args.seed,
-                         progress=True)
+                         progress=True, quant=args.quant)
     text = preset_config(args.preset, args.layers, dtype=args.dtype)["text_config"]
     tokenizer = json.loads(build_tokenizer(text).to_str())
     print(write_gguf(args.out, model, text, tokenizer, chat_template(), mix=args.quant, seed=args.seed))

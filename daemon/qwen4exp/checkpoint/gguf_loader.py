@@ -21,7 +21,8 @@ _STACKS = (".experts.gate_up_proj", ".experts.down_proj")
 _TABLE = ".ple_embedding.ngram_embedding.weight"
 
 
-def _kept_name(target: str) -> str | None:
+def kept_name(target: str) -> str | None:
+    """The QuantizedStack a piece's runtime tensor is part of, if it is kept quantized."""
     if target.endswith(_STACKS):
         return target
     return target.removesuffix(".weight") if target.endswith(_TABLE) else None
@@ -33,7 +34,7 @@ def quantized_stacks(checkpoint, config) -> dict[str, tuple[str, tuple[int, ...]
     GGUFCheckpoint, or a file planned but not written (gguf_writer.PlannedFile)."""
     parts: dict[str, list[gguf_layout.Piece]] = {}
     for piece in gguf_layout.pieces(config):
-        name = _kept_name(piece.target)
+        name = kept_name(piece.target)
         if name is not None:
             parts.setdefault(name, []).append(piece)
     stacks = {}
@@ -64,7 +65,7 @@ def load_gguf_weights(checkpoint: GGUFCheckpoint, module: torch.nn.Module, confi
                               f"({', '.join(missing[:5]) or 'none'}); {len(unexpected)} match nothing in the model "
                               f"({', '.join(unexpected[:5]) or 'none'})")
     stacks = {name: module for name, module in module.named_modules() if isinstance(module, QuantizedStack)}
-    parts = [_part(stacks.get(_kept_name(piece.target)) or targets[piece.target], piece) for piece in pieces]
+    parts = [_part(stacks.get(kept_name(piece.target)) or targets[piece.target], piece) for piece in pieces]
     for piece, part in zip(pieces, parts):      # every shape, from the headers, before the first copy
         expected = tuple(piece.to_gguf(torch.empty(part.shape, device="meta")).shape)
         if checkpoint.shape(piece.gguf) != expected:
@@ -73,7 +74,7 @@ def load_gguf_weights(checkpoint: GGUFCheckpoint, module: torch.nn.Module, confi
                                   f"{list(expected)} (for its {piece.target})")
     report = LoadReport(files=len(checkpoint.shards))
     for piece, part in zip(pieces, parts):
-        if isinstance(part, _StackPart):
+        if isinstance(part, StackPart):
             part.copy_blocks(torch.from_numpy(checkpoint.raw(piece.gguf)))
         else:
             part.copy_(piece.from_gguf(torch.from_numpy(checkpoint.array(piece.gguf))).to(part.dtype))
@@ -84,22 +85,26 @@ def load_gguf_weights(checkpoint: GGUFCheckpoint, module: torch.nn.Module, confi
     return report
 
 
-class _StackPart:
-    """The part of a QuantizedStack one GGUF tensor fills (all of it, or gate's or up's rows of gate_up)."""
+class StackPart:
+    """The part of a QuantizedStack one GGUF tensor fills (all of it, or gate's or up's rows of gate_up): the
+    loader copies the tensor's blocks in, the writer writes them out."""
 
     def __init__(self, stack: QuantizedStack, piece: gguf_layout.Piece):
         self.stack, self.rows = stack, piece.rows
         self.shape = stack.shape if piece.rows is None else \
             (stack.shape[0], piece.rows.stop - piece.rows.start, *stack.shape[2:])
 
+    def blocks(self) -> torch.Tensor:
+        return self.stack.blocks if self.rows is None else self.stack.blocks[:, self.rows]
+
     def copy_blocks(self, raw: torch.Tensor) -> None:
-        blocks = self.stack.blocks if self.rows is None else self.stack.blocks[:, self.rows]
+        blocks = self.blocks()
         blocks.copy_(raw.reshape(blocks.shape))
 
 
 def _part(target, piece: gguf_layout.Piece):
     if isinstance(target, QuantizedStack):
-        return _StackPart(target, piece)
+        return StackPart(target, piece)
     return target if piece.rows is None else target.narrow(piece.axis, piece.rows.start,
                                                            piece.rows.stop - piece.rows.start)
 

@@ -18,6 +18,7 @@ import torch
 
 from ..engine.model.quantized import QuantizedStack
 from . import gguf_blocks, gguf_layout
+from .gguf_loader import StackPart, kept_name
 from .gguf_metadata import ARCH, metadata_for
 
 # unsloth's UD-Q4_K_XL of Qwen3.8-Flash-Next, as published (docs/PRODUCT.md): experts' gate/up Q4_K, down Q5_1
@@ -151,11 +152,18 @@ def write_gguf(path: str | Path, model: torch.nn.Module, text_config: dict, toke
         writer.add_key_value(key, value, GGUFValueType["ARRAY" if element else kind],
                              sub_type=GGUFValueType[element] if element else None)
     targets = model.state_dict()
-    for name, module in model.named_modules():        # quantized weights are written from their values
-        if isinstance(module, QuantizedStack):
-            targets[name] = targets[f"{name}.weight"] = module.dequantize()   # a stack, or an embedding's table
+    stacks = {name: module for name, module in model.named_modules() if isinstance(module, QuantizedStack)}
     for index, piece in enumerate(gguf_layout.pieces(cfg)):
-        target = targets[piece.target].float()
+        stack = stacks.get(kept_name(piece.target))
+        if stack is not None:
+            part = StackPart(stack, piece)
+            if tensor_type(piece, part.shape, mix) == stack.qtype:    # the blocks as they are
+                data = part.blocks().contiguous().cpu().numpy()
+                writer.add_tensor(piece.gguf, data, raw_dtype=GGMLQuantizationType[stack.qtype])
+                continue
+            target = stack.dequantize().float()                      # its values, in another type
+        else:
+            target = targets[piece.target].float()
         part = target if piece.rows is None else target.narrow(piece.axis, piece.rows.start,
                                                                piece.rows.stop - piece.rows.start)
         values = piece.to_gguf(part.contiguous())
