@@ -34,6 +34,12 @@ class Piece:
     to_gguf: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
     float32: bool = False              # llama.cpp keeps it in F32 whatever the file's type
 
+    def part_of(self, target: torch.Tensor) -> torch.Tensor:
+        """The part of the runtime tensor `target` this GGUF tensor fills (a view)."""
+        if self.rows is None:
+            return target
+        return target.narrow(self.axis, self.rows.start, self.rows.stop - self.rows.start)
+
 
 def _offset_norm(gguf: str, target: str) -> Piece:
     """A zero-centred RMSNorm weight w, stored as 1 + w in F32."""

@@ -105,8 +105,7 @@ class StackPart:
 def _part(target, piece: gguf_layout.Piece):
     if isinstance(target, QuantizedStack):
         return StackPart(target, piece)
-    return target if piece.rows is None else target.narrow(piece.axis, piece.rows.start,
-                                                           piece.rows.stop - piece.rows.start)
+    return piece.part_of(target)
 
 
 def _check_ple_constants(checkpoint: GGUFCheckpoint, module: torch.nn.Module) -> None:

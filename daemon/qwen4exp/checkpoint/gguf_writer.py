@@ -78,10 +78,7 @@ class PlannedFile:
             targets = Qwen4ExpForCausalLM(config).state_dict()
         self.tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
         for piece in gguf_layout.pieces(config):
-            target = targets[piece.target]
-            part = target if piece.rows is None else target.narrow(piece.axis, piece.rows.start,
-                                                                   piece.rows.stop - piece.rows.start)
-            shape = tuple(piece.to_gguf(part).shape)
+            shape = tuple(piece.to_gguf(piece.part_of(targets[piece.target])).shape)
             self.tensors[piece.gguf] = (tensor_type(piece, shape, mix), shape)
 
     def type_name(self, name: str) -> str:
@@ -164,9 +161,7 @@ def write_gguf(path: str | Path, model: torch.nn.Module, text_config: dict, toke
             target = stack.dequantize().float()                      # its values, in another type
         else:
             target = targets[piece.target].float()
-        part = target if piece.rows is None else target.narrow(piece.axis, piece.rows.start,
-                                                               piece.rows.stop - piece.rows.start)
-        values = piece.to_gguf(part.contiguous())
+        values = piece.to_gguf(piece.part_of(target).contiguous())
         qtype = tensor_type(piece, tuple(values.shape), mix)
         data = encode(values, qtype, seed * 100003 + index)
         writer.add_tensor(piece.gguf, data, raw_dtype=None if qtype in ("F32", "F16") else GGMLQuantizationType[qtype])

@@ -43,14 +43,14 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(cfg)
         keep_quantized(model, quantized or {}, dtype)
-    tables = quantized_ple_tables(model)
-    if ple_on_host and not tables:
+    hosted = quantized_ple_tables(model) if ple_on_host else []
+    if ple_on_host and not hosted:
         raise ValueError("ple = 'host' keeps a GGUF's quantized PLE table in host memory; this model's table is not "
                          "quantized (a safetensors checkpoint, or a GGUF whose table is a float type)")
-    for table in tables if ple_on_host else []:
+    for table in hosted:
         table.host = True                             # moved with nothing, then allocated on the host below
     model = model.to(dtype=dtype).to_empty(device=device)
-    for table in tables if ple_on_host else []:
+    for table in hosted:
         table.keep_on_host()
     # The hash constants are derived, not learned: recompute them (a checkpoint's copy must agree).
     for module in model.modules():
