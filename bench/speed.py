@@ -207,9 +207,11 @@ class Work:
                 group = "dense"
             groups[group] += p.numel()
             group_bytes[group] += p.numel() * p.element_size()
-        for name, module in model.named_modules():          # a GGUF's experts and PLE table, kept as blocks
+        for name, module in model.named_modules():          # the weights a GGUF keeps as blocks
             if isinstance(module, QuantizedStack):
-                group = "routed" if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) else "ngram"
+                group = ("routed" if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) else
+                         "ngram" if name.endswith(".ngram_embedding") else "embed" if name == "model.embed_tokens"
+                         else "lm_head" if name == "lm_head.weight" else "dense")
                 groups[group] += math.prod(module.shape)
                 group_bytes[group] += module.blocks.numel()
         self.moe_layers = cfg.num_hidden_layers

@@ -15,6 +15,7 @@ import torch
 
 from qwen4exp.checkpoint.errors import CheckpointError
 from qwen4exp.checkpoint.gguf_file import GGUFCheckpoint
+from qwen4exp.checkpoint.gguf_loader import quantized_stacks
 from qwen4exp.checkpoint.gguf_metadata import config_from_metadata
 from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.model.quantized import QuantizedStack
@@ -197,11 +198,15 @@ def test_a_quantized_gguf_gives_the_tokens_of_the_float32_gguf_of_its_dequantize
     quantized = load_model(str(quantized_file), dtype="float32", device="cpu", progress=False)
     twin = load_model(str(write_tiny(tmp_path / "f.gguf", "f32", model=quantized)), dtype="float32", device="cpu",
                       progress=False)
-    stacks = [module for module in quantized.modules() if isinstance(module, QuantizedStack)]
+    kept = {name for name, module in quantized.named_modules() if isinstance(module, QuantizedStack)}
     if mix in ("F16", "BF16"):
-        assert not stacks
-    else:                                      # every expert stack kept as blocks, dequantized as it is used
-        assert len(stacks) == 2 * quantized.config.num_hidden_layers
+        assert not kept
+    else:      # the experts, the LM head and every projection the file quantized kept as blocks, dequantized in use
+        assert kept == set(quantized_stacks(GGUFCheckpoint(quantized_file), quantized.config))
+        layers = quantized.config.num_hidden_layers
+        assert sum(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in kept) == 2 * layers
+        assert {"lm_head.weight", "model.embed_tokens"} <= kept
+        assert sum(name.endswith(".linear_attn.in_proj_qkv.weight") for name in kept) > 0    # reordered by rows
         assert model_bytes(quantized) < model_bytes(twin)
     assert greedy(quantized) == greedy(twin)
 
@@ -281,7 +286,8 @@ def test_a_quantized_ple_table_can_be_kept_in_host_memory(tmp_path, tiny_checkpo
 
 def test_weights_kept_quantized_are_written_as_the_blocks_they_are(tmp_path):
     """`init-checkpoint --format gguf` draws the weights a mix keeps quantized as random blocks (no dense copy of
-    the experts) and writes those blocks unchanged: read back, every expert stack holds the same bytes."""
+    the experts) and writes those blocks unchanged (reordered into llama.cpp's layout and back): read back, every
+    weight kept as blocks holds the same bytes."""
     from qwen4exp.checkpoint.random_weights import random_model
     from qwen4exp.cli import main
 
@@ -290,7 +296,8 @@ def test_weights_kept_quantized_are_written_as_the_blocks_they_are(tmp_path):
                       device="cpu", progress=False)
     ours = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedStack)}
     theirs = {name: m for name, m in back.named_modules() if isinstance(m, QuantizedStack)}
-    assert ours.keys() == theirs.keys() and len(ours) == 2 * model.config.num_hidden_layers
+    assert ours.keys() == theirs.keys()
+    assert sum(name.endswith(".experts.down_proj") for name in ours) == model.config.num_hidden_layers
     assert all(torch.equal(ours[name].blocks, theirs[name].blocks) for name in ours)
     out = tmp_path / "cli.gguf"
     assert main(["init-checkpoint", "--preset", "tiny", "--format", "gguf", "--quant", "ud-q4_k_xl", "--seed", "3",
@@ -298,3 +305,34 @@ def test_weights_kept_quantized_are_written_as_the_blocks_they_are(tmp_path):
     written = load_model(str(out), dtype="float32", device="cpu", progress=False)
     assert all(torch.equal(ours[name].blocks, module.blocks) for name, module in written.named_modules()
                if isinstance(module, QuantizedStack))
+
+
+def test_blocks_reordered_into_our_layout_hold_the_values_reordered():
+    """The Gated DeltaNet's value heads are ordered otherwise in llama.cpp's files: a quantized tensor is reordered
+    by whole rows (the input projections) or whole blocks along the rows (the output projection, where a head's
+    width holds whole blocks) and keeps the values the float reorder gives; where a head would split a block the
+    piece says so (it is then read dense)."""
+    from qwen4exp.checkpoint import gguf_layout
+    from qwen4exp.checkpoint.gguf_blocks import random_blocks
+    from qwen4exp.checkpoint.presets import preset_config
+    from qwen4exp.engine.model.causal_lm import Qwen4ExpForCausalLM
+    from qwen4exp.engine.model.config import ModelConfig
+    from qwen4exp.engine.model.quant_blocks import LAYOUTS, dequantize
+
+    text = preset_config("tiny", dtype="float32")["text_config"]
+    cfg = ModelConfig.from_dict(dict(text, linear_value_head_dim=64))
+    pieces = [p for p in gguf_layout.layer_pieces(cfg, 0) if p.blocks is not None]
+    assert {p.gguf.split(".", 2)[2] for p in pieces} == {"attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight",
+                                                         "ssm_alpha.weight", "ssm_out.weight"}
+    with torch.device("meta"):
+        targets = Qwen4ExpForCausalLM(cfg).state_dict()
+    for piece in pieces:
+        shape = tuple(piece.to_gguf(targets[piece.target]).shape)
+        for qtype in ("Q8_0", "Q6_K") if shape[1] % 256 == 0 else ("Q8_0",):
+            raw = torch.from_numpy(random_blocks(qtype, shape, 0.1, 1))
+            ours = piece.reorder_blocks(raw, LAYOUTS[qtype])
+            if piece.gguf.endswith("ssm_out.weight") and qtype == "Q6_K":     # a 64-wide head splits its blocks
+                assert ours is None
+                continue
+            assert torch.equal(dequantize(ours, qtype), piece.from_gguf(dequantize(raw, qtype))), (piece.gguf, qtype)
+            assert torch.equal(piece.reorder_blocks(ours, LAYOUTS[qtype], to_gguf=True), raw)

@@ -22,17 +22,34 @@ import torch
 from ..engine.model.config import LINEAR, ModelConfig
 
 
+def _unchanged(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """A GGUF tensor and the part of a runtime tensor it fills: target[rows] (all of it when rows is None),
-    read through `from_gguf` and written through `to_gguf` (both on float32 tensors in torch's axis order)."""
+    read through `from_gguf` and written through `to_gguf` (both on float32 tensors in torch's axis order).
+    `blocks`: the same reorder on a quantized tensor's blocks (uint8 [rows, row bytes], the block type's
+    (values, bytes) and the direction given), for a piece whose transform moves whole blocks; it answers None
+    where it would split a block (the piece is then read dense)."""
     gguf: str
     target: str
     rows: slice | None = None          # along the target's axis `axis`
     axis: int = 0
-    from_gguf: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
-    to_gguf: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+    from_gguf: Callable[[torch.Tensor], torch.Tensor] = _unchanged
+    to_gguf: Callable[[torch.Tensor], torch.Tensor] = _unchanged
     float32: bool = False              # llama.cpp keeps it in F32 whatever the file's type
+    blocks: Callable[[torch.Tensor, tuple[int, int], bool], torch.Tensor | None] | None = None
+
+    def reorder_blocks(self, raw: torch.Tensor, layout: tuple[int, int], to_gguf: bool = False
+                       ) -> torch.Tensor | None:
+        """`raw` blocks (uint8 [rows, row bytes] of a type of `layout` (values, bytes) a block) in our order (from
+        the file's, or to it with `to_gguf`), or None when this piece's values cannot be kept as the file's
+        blocks."""
+        if self.from_gguf is _unchanged:
+            return raw
+        return None if self.blocks is None else self.blocks(raw, layout, to_gguf)
 
     def part_of(self, target: torch.Tensor) -> torch.Tensor:
         """The part of the runtime tensor `target` this GGUF tensor fills (a view)."""
@@ -66,6 +83,27 @@ def _value_rows(cfg: ModelConfig, first: int) -> tuple[Callable, Callable]:
     tiled, grouped = _heads(cfg, cfg.linear_value_head_dim)
     return (lambda t: torch.cat((t[:first], tiled(t[first:]))),
             lambda t: torch.cat((t[:first], grouped(t[first:]))))
+
+
+def _row_blocks(to_gguf: Callable, from_gguf: Callable) -> Callable:
+    """`Piece.blocks` of a reorder of whole rows: the same reorder on the rows of blocks."""
+    return lambda raw, layout, forward: (to_gguf if forward else from_gguf)(raw)
+
+
+def _column_head_blocks(cfg: ModelConfig) -> Callable:
+    """`Piece.blocks` of the Gated DeltaNet output's reorder of its input columns by value head: whole blocks
+    move where a head's width is a multiple of the block's values."""
+    width = cfg.linear_value_head_dim
+
+    def reorder(raw: torch.Tensor, layout: tuple[int, int], forward: bool) -> torch.Tensor | None:
+        values, size = layout
+        if width % values:
+            return None
+        by_block = raw.reshape(raw.shape[0], -1, size).transpose(0, 1)     # [blocks along a row, rows, bytes]
+        tiled, grouped = _heads(cfg, width // values)
+        return (tiled if forward else grouped)(by_block).transpose(0, 1).reshape(raw.shape)
+
+    return reorder
 
 
 def layer_pieces(cfg: ModelConfig, i: int) -> list[Piece]:
@@ -110,10 +148,14 @@ def _deltanet_pieces(cfg: ModelConfig, blk: str, ours: str) -> list[Piece]:
     to_heads, from_heads = _heads(cfg, cfg.linear_value_head_dim)
     to_one, from_one = _heads(cfg, 1)
     return [
-        Piece(f"{blk}attn_qkv.weight", f"{ours}in_proj_qkv.weight", from_gguf=from_rows, to_gguf=to_rows),
-        Piece(f"{blk}attn_gate.weight", f"{ours}in_proj_z.weight", from_gguf=from_heads, to_gguf=to_heads),
-        Piece(f"{blk}ssm_beta.weight", f"{ours}in_proj_b.weight", from_gguf=from_one, to_gguf=to_one),
-        Piece(f"{blk}ssm_alpha.weight", f"{ours}in_proj_a.weight", from_gguf=from_one, to_gguf=to_one),
+        Piece(f"{blk}attn_qkv.weight", f"{ours}in_proj_qkv.weight", from_gguf=from_rows, to_gguf=to_rows,
+              blocks=_row_blocks(to_rows, from_rows)),
+        Piece(f"{blk}attn_gate.weight", f"{ours}in_proj_z.weight", from_gguf=from_heads, to_gguf=to_heads,
+              blocks=_row_blocks(to_heads, from_heads)),
+        Piece(f"{blk}ssm_beta.weight", f"{ours}in_proj_b.weight", from_gguf=from_one, to_gguf=to_one,
+              blocks=_row_blocks(to_one, from_one)),
+        Piece(f"{blk}ssm_alpha.weight", f"{ours}in_proj_a.weight", from_gguf=from_one, to_gguf=to_one,
+              blocks=_row_blocks(to_one, from_one)),
         Piece(f"{blk}ssm_a", f"{ours}A_log", from_gguf=lambda a: torch.log(-from_one(a)),
               to_gguf=lambda a_log: -torch.exp(to_one(a_log)), float32=True),
         Piece(f"{blk}ssm_dt.bias", f"{ours}dt_bias", from_gguf=from_one, to_gguf=to_one, float32=True),
@@ -121,7 +163,7 @@ def _deltanet_pieces(cfg: ModelConfig, blk: str, ours: str) -> list[Piece]:
               to_gguf=lambda t: to_rows(t.squeeze(1)), float32=True),
         Piece(f"{blk}ssm_norm.weight", f"{ours}norm.weight", float32=True),   # a plain gamma: no offset
         Piece(f"{blk}ssm_out.weight", f"{ours}out_proj.weight", from_gguf=lambda t: from_heads(t.T).T,
-              to_gguf=lambda t: to_heads(t.T).T),
+              to_gguf=lambda t: to_heads(t.T).T, blocks=_column_head_blocks(cfg)),
     ]
 
 

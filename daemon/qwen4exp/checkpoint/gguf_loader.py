@@ -1,9 +1,12 @@
 """Put a GGUF's tensors into our model, after every name and shape was checked: each one dequantized, turned back
-into our layout (gguf_layout.py) and copied in place in the model's dtype, but the quantized expert stacks,
-whose blocks are copied as they are into the model's QuantizedStacks (engine/model/quantized.py)."""
+into our layout (gguf_layout.py) and copied in place in the model's dtype, but the quantized weights the model
+keeps as blocks (the expert stacks, the PLE table, the embedding, the projections and the LM head), whose blocks
+are copied as they are (reordered by whole blocks where our layout differs) into the model's QuantizedStacks
+(engine/model/quantized.py)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -15,23 +18,31 @@ from ..engine.model.quantized import QuantizedStack
 from .gguf_file import GGUFCheckpoint
 from .loader import LoadReport
 
-# What stays quantized: the expert stacks (indexed by expert) and the PLE table (an embedding: the module itself
-# is replaced, so its name drops the ".weight" of the tensor the GGUF piece fills).
+# What can stay quantized: the expert stacks (indexed by expert), the weights only ever multiplied through the ops
+# backend's `linear` (a QuantizedStack in the weight's place), and the embedding tables (the module itself is
+# replaced, so its name drops the ".weight" of the tensor the GGUF piece fills). The hyper-connections' up
+# projection is read by the mixing kernel, and the indexer's rows come from two GGUF tensors: both stay dense.
 _STACKS = (".experts.gate_up_proj", ".experts.down_proj")
-_TABLE = ".ple_embedding.ngram_embedding.weight"
+_LINEAR = ("lm_head.weight", ".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight",
+           ".in_proj_qkv.weight", ".in_proj_z.weight", ".in_proj_b.weight", ".in_proj_a.weight", ".out_proj.weight",
+           ".input_mix_weight_down.weight", ".block_inject_weight.weight", ".shared_expert.gate_proj.weight",
+           ".shared_expert.up_proj.weight", ".shared_expert.down_proj.weight", ".key_proj.weight",
+           ".value_proj.weight")
+_TABLES = (".ple_embedding.ngram_embedding.weight", "model.embed_tokens.weight")
 
 
 def kept_name(target: str) -> str | None:
-    """The QuantizedStack a piece's runtime tensor is part of, if it is kept quantized."""
-    if target.endswith(_STACKS):
+    """The QuantizedStack a piece's runtime tensor is part of, if it can be kept quantized."""
+    if target.endswith(_STACKS + _LINEAR):
         return target
-    return target.removesuffix(".weight") if target.endswith(_TABLE) else None
+    return target.removesuffix(".weight") if target.endswith(_TABLES) else None
 
 
 def quantized_stacks(checkpoint, config) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """The weights to keep quantized: {runtime name: (block type, shape)}, for each expert stack and PLE table
-    whose GGUF tensors (gate and up, down, the table) hold one block type with a torch form. `checkpoint`: a
-    GGUFCheckpoint, or a file planned but not written (gguf_writer.PlannedFile)."""
+    """The weights to keep quantized: {runtime name: (block type, shape)}, for each weight `kept_name` names whose
+    GGUF tensors (gate and up of an expert stack, or the one tensor) hold one block type with a torch form and
+    whose reorder into our layout moves whole blocks. `checkpoint`: a GGUFCheckpoint, or a file planned but not
+    written (gguf_writer.PlannedFile)."""
     parts: dict[str, list[gguf_layout.Piece]] = {}
     for piece in gguf_layout.pieces(config):
         name = kept_name(piece.target)
@@ -42,12 +53,20 @@ def quantized_stacks(checkpoint, config) -> dict[str, tuple[str, tuple[int, ...]
         if not all(piece.gguf in checkpoint.tensors for piece in pieces):
             continue                                 # named as missing by the load
         types = {checkpoint.type_name(piece.gguf) for piece in pieces}
-        if len(types) == 1 and next(iter(types)) in LAYOUTS:
+        if len(types) == 1 and next(iter(types)) in LAYOUTS and all(_whole_blocks(checkpoint, p) for p in pieces):
             shape = checkpoint.shape(pieces[0].gguf)
             if len(pieces) > 1:                      # gate and up: one stack of both halves' rows
                 shape = (shape[0], shape[1] * len(pieces), shape[2])
             stacks[name] = (types.pop(), shape)
     return stacks
+
+
+def _whole_blocks(checkpoint, piece: gguf_layout.Piece) -> bool:
+    """Whether `piece`'s reorder into our layout moves the file's blocks whole (tried on the meta device)."""
+    layout = LAYOUTS[checkpoint.type_name(piece.gguf)]
+    shape = checkpoint.shape(piece.gguf)
+    raw = torch.empty(math.prod(shape[:-1]), shape[-1] // layout[0] * layout[1], dtype=torch.uint8, device="meta")
+    return piece.reorder_blocks(raw, layout) is not None
 
 
 @torch.no_grad()
@@ -75,7 +94,7 @@ def load_gguf_weights(checkpoint: GGUFCheckpoint, module: torch.nn.Module, confi
     report = LoadReport(files=len(checkpoint.shards))
     for piece, part in zip(pieces, parts):
         if isinstance(part, StackPart):
-            part.copy_blocks(torch.from_numpy(checkpoint.raw(piece.gguf)))
+            part.copy_blocks(torch.from_numpy(checkpoint.raw(piece.gguf)), piece)
         else:
             part.copy_(piece.from_gguf(torch.from_numpy(checkpoint.array(piece.gguf))).to(part.dtype))
         report.tensors += 1
@@ -97,9 +116,17 @@ class StackPart:
     def blocks(self) -> torch.Tensor:
         return self.stack.blocks if self.rows is None else self.stack.blocks[:, self.rows]
 
-    def copy_blocks(self, raw: torch.Tensor) -> None:
+    def copy_blocks(self, raw: torch.Tensor, piece: gguf_layout.Piece) -> None:
+        """The file's blocks of `piece`, in our layout."""
         blocks = self.blocks()
-        blocks.copy_(raw.reshape(blocks.shape))
+        rows = raw.reshape(-1, blocks.shape[-1])
+        blocks.copy_(piece.reorder_blocks(rows, LAYOUTS[self.stack.qtype]).reshape(blocks.shape))
+
+    def file_blocks(self, piece: gguf_layout.Piece) -> torch.Tensor:
+        """This part's blocks in the file's layout of `piece` (what the writer writes)."""
+        blocks = self.blocks().contiguous()
+        rows = piece.reorder_blocks(blocks.reshape(-1, blocks.shape[-1]), LAYOUTS[self.stack.qtype], to_gguf=True)
+        return rows.reshape(blocks.shape)
 
 
 def _part(target, piece: gguf_layout.Piece):

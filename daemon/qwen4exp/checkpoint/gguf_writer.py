@@ -155,7 +155,7 @@ def write_gguf(path: str | Path, model: torch.nn.Module, text_config: dict, toke
         if stack is not None:
             part = StackPart(stack, piece)
             if tensor_type(piece, part.shape, mix) == stack.qtype:    # the blocks as they are
-                data = part.blocks().contiguous().cpu().numpy()
+                data = part.file_blocks(piece).cpu().numpy()
                 writer.add_tensor(piece.gguf, data, raw_dtype=GGMLQuantizationType[stack.qtype])
                 continue
             target = stack.dequantize().float()                      # its values, in another type

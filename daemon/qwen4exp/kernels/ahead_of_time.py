@@ -72,7 +72,8 @@ def specialize(kernel, args: tuple, kwargs: dict, op: str) -> Launch:
     bound.apply_defaults()
     signature, constexprs, attrs = {}, {}, {}
     for index, (param, (name, value)) in enumerate(zip(kernel.params, bound.arguments.items())):
-        if param.is_constexpr or value is None or (type(value) is int and value == 1):
+        # An int named in the kernel's do_not_specialize is neither made a constant at 1 nor given attributes.
+        if param.is_constexpr or value is None or (type(value) is int and value == 1 and not param.do_not_specialize):
             signature[name] = "constexpr"
             constexprs[(index,)] = value
             if isinstance(value, str):
@@ -85,7 +86,8 @@ def specialize(kernel, args: tuple, kwargs: dict, op: str) -> Launch:
             signature[name] = "u1"           # neither bools nor floats are specialized
         elif isinstance(value, int):
             signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-            attrs[(index,)] = _DIVISIBLE if value % 16 == 0 else []
+            if not param.do_not_specialize:  # an unspecialized int has no attribute entry at all
+                attrs[(index,)] = _DIVISIBLE if value % 16 == 0 else []
         elif isinstance(value, float):
             signature[name] = "fp32"
         else:

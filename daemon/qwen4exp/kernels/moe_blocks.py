@@ -35,7 +35,7 @@ DENSE_FROM = 1
 
 if triton is not None:
     from .expert_groups import tile_of, tile_pairs
-    from .quant_tiles import LANES
+    from .quant_tiles import LANES, weight_tile
     from .rounding import round_to, silu_mul
 
     @triton.jit
@@ -100,16 +100,6 @@ if triton is not None:
         tl.store(y_ptr + pair.to(tl.int64) * hidden + feat, y, mask=feat < hidden)
 
     @triton.jit
-    def _weight_tile(rows, start, limit, feat_ok, grid_ptr, dtype: tl.constexpr, QTYPE: tl.constexpr,
-                     INTERPRETED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        """The [BLOCK_K, BLOCK_N] tile of columns start.. of BLOCK_N weight rows (`rows` [1, 1, BLOCK_N] byte
-        pointers), dequantized and rounded to `dtype`, laid out as tl.dot's right operand."""
-        col = start + (tl.arange(0, BLOCK_K // LANES) * LANES)[:, None, None]
-        lane = tl.arange(0, LANES)[None, :, None]
-        values = dequantize_groups(rows, col, lane, (col < limit) & feat_ok, grid_ptr, QTYPE)
-        return round_to(tl.reshape(values, [BLOCK_K, BLOCK_N]), dtype, INTERPRETED)
-
-    @triton.jit
     def _grouped_gate_up_blocks_kernel(x_ptr, pair_of_row_ptr, expert_of_block_ptr, w_ptr, grid_ptr, h_ptr,
                                        num_pairs, num_experts, hidden, inter, top_k, row_bytes, QTYPE: tl.constexpr,
                                        INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -130,9 +120,9 @@ if triton is not None:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, hidden, BLOCK_K):
             a = tl.load(x_ptrs, mask=pair_ok[:, None] & (ks < hidden - start)[None, :], other=0.0)
-            gate = _weight_tile(gate_rows, start, hidden, feat_ok, grid_ptr, dtype, QTYPE, INTERPRETED, BLOCK_K,
-                                BLOCK_N)
-            up = _weight_tile(up_rows, start, hidden, feat_ok, grid_ptr, dtype, QTYPE, INTERPRETED, BLOCK_K, BLOCK_N)
+            gate = weight_tile(gate_rows, start, hidden, feat_ok, grid_ptr, dtype, QTYPE, INTERPRETED, BLOCK_K,
+                               BLOCK_N)
+            up = weight_tile(up_rows, start, hidden, feat_ok, grid_ptr, dtype, QTYPE, INTERPRETED, BLOCK_K, BLOCK_N)
             if INTERPRETED:
                 a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
             acc_gate = tl.dot(a, gate, acc_gate)
@@ -159,8 +149,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, inter, BLOCK_K):
             a = tl.load(h_ptrs, mask=(ks < inter - start)[None, :], other=0.0)
-            w = _weight_tile(w_rows, start, inter, feat_ok[None, None, :], grid_ptr, dtype, QTYPE, INTERPRETED,
-                             BLOCK_K, BLOCK_N)
+            w = weight_tile(w_rows, start, inter, feat_ok[None, None, :], grid_ptr, dtype, QTYPE, INTERPRETED,
+                            BLOCK_K, BLOCK_N)
             if INTERPRETED:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(a, w, acc)

@@ -139,6 +139,19 @@ if triton is not None:
             return scale * tl.load(grid_ptr + _nibble(base + 8 + j * 16, lane, mask))
 
     @triton.jit
+    def weight_tile(rows, start, limit, feat_ok, grid_ptr, dtype: tl.constexpr, QTYPE: tl.constexpr,
+                    INTERPRETED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The [BLOCK_K, BLOCK_N] tile of columns start..limit of BLOCK_N weight rows (`rows` [1, 1, BLOCK_N] byte
+        pointers, `feat_ok` which exist), dequantized and rounded to `dtype`, laid out as tl.dot's right operand
+        (the tensor-core products over blocks: moe_blocks.py, block_products.py)."""
+        col = start + (tl.arange(0, BLOCK_K // LANES) * LANES)[:, None, None]
+        lane = tl.arange(0, LANES)[None, :, None]
+        values = dequantize_groups(rows, col, lane, (col < limit) & feat_ok, grid_ptr, QTYPE)
+        return round_to(tl.reshape(values, [BLOCK_K, BLOCK_N]), dtype, INTERPRETED)
+
+    # Not specialized on the count of ids (one binary a type and row length); the row length and bytes are, as
+    # their divisibility lets loads vectorize.
+    @triton.jit(do_not_specialize=["n_ids"])
     def _gather_rows_kernel(blocks_ptr, ids_ptr, grid_ptr, out_ptr, n_ids, cols, row_bytes, INTERPRETED: tl.constexpr,
                             QTYPE: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr):
         """out[i, cols of this program] = row ids[i] of the blocks, dequantized and rounded to out's dtype, for ROWS

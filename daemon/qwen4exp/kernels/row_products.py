@@ -115,14 +115,21 @@ def row_products(x: torch.Tensor, weight: torch.Tensor, config: dict | None = No
     if rows == 0 or n == 0:
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
-    config = fitted(config or plan(n, k), x.device, x.element_size())
+    config, part_k, parts, grid = split_input(fitted(config or plan(n, k), x.device, x.element_size()), k, out)
+    _rows_kernel[grid](x, weight, out, parts, rows, n, k, x.stride(0), weight.stride(0), part_k,
+                       INTERPRETED=interpreted(x), BLOCK_M=MAX_ROWS, SPLIT_K=grid[1], **config)
+    if parts is not out:
+        add_parts(parts, out)
+    return out
+
+
+def split_input(config: dict, k: int, out: torch.Tensor) -> tuple[dict, int, torch.Tensor, tuple[int, int]]:
+    """For a product into `out` [rows, n] over an input of k columns, split as `config` says: (the kernel's
+    config without SPLIT_K, the columns a part holds (whole tiles of BLOCK_K), the float32 partial sums [parts,
+    rows, n] (out itself when there is one part), the grid (blocks of features, parts))."""
+    config = dict(config)
     split = config.pop("SPLIT_K")
     part_k = triton.cdiv(triton.cdiv(k, split), config["BLOCK_K"]) * config["BLOCK_K"]
     split = triton.cdiv(k, part_k)
-    parts = torch.empty(split, rows, n, device=x.device, dtype=torch.float32) if split > 1 else out
-    grid = (triton.cdiv(n, config["BLOCK_N"]), split)
-    _rows_kernel[grid](x, weight, out, parts, rows, n, k, x.stride(0), weight.stride(0), part_k,
-                       INTERPRETED=interpreted(x), BLOCK_M=MAX_ROWS, SPLIT_K=split, **config)
-    if split > 1:
-        add_parts(parts, out)
-    return out
+    parts = torch.empty(split, *out.shape, device=out.device, dtype=torch.float32) if split > 1 else out
+    return config, part_k, parts, (triton.cdiv(out.shape[1], config["BLOCK_N"]), split)

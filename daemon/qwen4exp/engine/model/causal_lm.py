@@ -110,7 +110,7 @@ class Qwen4ExpForCausalLM(nn.Module):
     def run(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers over a step -> (the mixed hidden rows [T, H] for the LM head, the streams [T, hc*H] they
         were mixed from). Lengths are the caller's to advance."""
-        streams = self.model.embed_tokens(step.token_ids).repeat(1, self.config.hc_count)
+        streams = self.ops.table_rows(self.model.embed_tokens, step.token_ids).repeat(1, self.config.hc_count)
         pending = None
         for layer in self.model.layers:
             streams, pending = layer(streams, step, pending)

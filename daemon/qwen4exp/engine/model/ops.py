@@ -6,9 +6,9 @@ bfloat16/float16 models on CUDA/ROCm devices (triton_ops.py says which overrides
 shapes their kernel does not take). A layer never asks which backend runs: it calls `step.ops`.
 
 Two kinds of op:
-- row-wise (`linear`, the norms, `rotate`, the hyper-connection's `update_and_norm` and `mix_streams`, `route`,
-  `experts`, `table_rows`): a row's result depends on that row alone; `step` is passed where a decode step's few
-  rows take other kernels than a chunk's many;
+- row-wise (`linear`, `shared_linear`, the norms, `rotate`, the hyper-connection's `update_and_norm` and
+  `mix_streams`, `route`, `experts`, `table_rows`): a row's result depends on that row alone; `step` is passed
+  where a decode step's few rows take other kernels than a chunk's many;
 - per phase (`causal_conv`, `delta_rule`, `ngram_embedding`, `qsa_attention`): what a prompt chunk of one
   sequence and a decode step over N rows do differently with the state.
 """
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import conv, delta_rule, hyper, moe, qsa
+from .quantized import QuantizedStack
 from .rope import apply_rotary
 
 
@@ -27,9 +28,26 @@ class TorchOps:
     name = "torch"
 
     # ---- row-wise --------------------------------------------------------------------------------------
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, step) -> torch.Tensor:
-        """x @ weight.T: the projections a layer makes (docs/ARCHITECTURE.md lists the weights read otherwise)."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedStack, step) -> torch.Tensor:
+        """x @ weight.T: the projections a layer makes (docs/ARCHITECTURE.md lists the weights read otherwise); a
+        weight kept as GGML blocks multiplies as its dense twin."""
+        if isinstance(weight, QuantizedStack):
+            weight = weight.dequantize()
         return F.linear(x, weight)
+
+    def shared_linear(self, x: torch.Tensor, runs: list, sizes: list[int], step) -> tuple[torch.Tensor, ...]:
+        """x times each weight of a shared input (shared_input.py: `runs` of (stack, the weights' positions),
+        `sizes` each weight's rows in input order) -> their products in input order. The torch form multiplies
+        the dense twin of all the weights at once, so a GGUF that mixes block types and float tensors in one
+        module sums as the single stack of its float twin does."""
+        if len(runs) == 1:
+            return self.linear(x, runs[0][0], step).split(sizes, dim=-1)
+        rows: list[torch.Tensor | None] = [None] * len(sizes)
+        for stack, members in runs:
+            dense = stack.dequantize() if isinstance(stack, QuantizedStack) else stack
+            for i, part in zip(members, dense.split([sizes[i] for i in members])):
+                rows[i] = part
+        return F.linear(x, torch.cat(rows)).split(sizes, dim=-1)
 
     def rms_norm(self, x: torch.Tensor, norm) -> torch.Tensor:
         return norm(x)

@@ -1,12 +1,13 @@
-"""Weights kept as GGML blocks, as a quantized GGUF stores them: the expert stacks (95% of the model's bytes) and
-the PLE table (its largest tensor) stay quantized.
+"""Weights kept as GGML blocks, as a quantized GGUF stores them: the expert stacks (95% of the model's bytes), the
+embedding tables (the PLE table is its largest tensor), the projections and the LM head stay quantized.
 
-A `QuantizedStack` stands where the model keeps a dense tensor read by rows of its first axis: `Experts`'
-[E, rows, cols] stacks, and the PLE's [rows, dim] embedding table. `blocks` is uint8 [..., row bytes] of one
-block type; indexing it (an int or a tensor of ids, as the torch forms index the dense tensors), or calling it as
-an embedding, gives those entries dequantized (quant_blocks.py, bit for bit llama.cpp's values) in the model's
-dtype. The torch forms therefore run unchanged on it; the Triton backend's MoE kernels read the blocks
-themselves and dequantize in registers (kernels/moe_blocks.py).
+A `QuantizedStack` stands where the model keeps a dense tensor: `Experts`' [E, rows, cols] stacks, the [rows,
+dim] embedding tables (the module itself), and the [out, in] weights a layer multiplies through the ops
+backend's `linear`. `blocks` is uint8 [..., row bytes] of one block type; indexing it (an int or a tensor of ids,
+as the torch forms index the dense tensors), or calling it as an embedding, gives those entries dequantized
+(quant_blocks.py, bit for bit llama.cpp's values) in the model's dtype, and `dequantize()` the whole tensor. The
+torch forms therefore run on its dense twin; the Triton backend's kernels read the blocks themselves and
+dequantize in registers (kernels/moe_blocks.py, block_products.py, quant_tiles.gather_rows).
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class QuantizedStack(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         return self[:]
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
 
     def keep_on_host(self) -> None:
         """Keep the blocks in host memory, pinned where a GPU is present (a GPU reads the rows it looks up there in

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from ...kernels import conv as conv_kernels
 from ...kernels import delta_rule as delta_rule_kernels
-from ...kernels import gated_norm, hyper, moe, qsa_attention, qsa_select, quant_tiles, rope, router, row_products
+from ...kernels import block_products, gated_norm, hyper, moe, qsa_attention, qsa_select, quant_tiles, rope, router
+from ...kernels import row_products
 from . import conv, delta_rule, qsa
 from .ops import TorchOps
 from .quantized import QuantizedStack
@@ -27,8 +28,19 @@ class TritonOps(TorchOps):
     name = "triton"
 
     def linear(self, x, weight, step):
+        if isinstance(weight, QuantizedStack):
+            return block_products.linear(x, weight)
         # A decode step's few rows stream each weight once in row_products' kernel where it beats cuBLAS.
         return row_products.linear(x, weight) if step.decode else F.linear(x, weight)
+
+    def shared_linear(self, x, runs, sizes, step):
+        # One product per stack (a stack of one block type, or the dense one): the few rows of a decode step read
+        # each weight once, as blocks where they are blocks.
+        products: list[torch.Tensor | None] = [None] * len(sizes)
+        for stack, members in runs:
+            for i, part in zip(members, self.linear(x, stack, step).split([sizes[i] for i in members], dim=-1)):
+                products[i] = part
+        return tuple(products)
 
     def rms_norm(self, x, norm):
         return hyper.norm_rows(x, norm.weight, norm.eps, norm.group_size or x.shape[-1])[1]
@@ -60,7 +72,7 @@ class TritonOps(TorchOps):
 
     def table_rows(self, table, rows):
         # A quantized table's rows dequantized in one launch (bit for bit the torch form's values)
-        if isinstance(table, QuantizedStack) and table.blocks.dim() == 2:
+        if isinstance(table, QuantizedStack):
             return quant_tiles.gather_rows(table.blocks, table.qtype, rows, table.dtype)
         return super().table_rows(table, rows)
 
