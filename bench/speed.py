@@ -32,8 +32,13 @@ Measured, in this order (the JSON is rewritten after each part, so a crash keeps
    (first send, snapshots captured) and warm (same prompt again), whether both answers are identical, and
    the restore time of a --restore-tokens snapshot (that prompt sent, then sent again) from the cache
    counters;
-6. peak device memory (until ready, and of the work after it);
-7. with --compare-transformers: transformers' single-sequence decode step (one token with its cache after a
+6. time to first token of cold prompts at each --ttft-prompts length (up to --max-ttft-prompt), in an engine of
+   one slot served as a server's (prefix cache on, one short request served before): the first prompt of a
+   length, a second one of the same length (other tokens: what a compile on a new length cost shows as the
+   difference), and a third split into where its time went (bench/first_token_parts.py: forward, sampling,
+   snapshot capture, restore lookup, the allocator's release, host work; new device memory segments);
+7. peak device memory (until ready, and of the work after it);
+8. with --compare-transformers: transformers' single-sequence decode step (one token with its cache after a
    short prompt, median) and its --ttft-tokens prefill, against our decode with one busy slot and our plain
    prefill of that length: our speedup on each. With --random-weights it runs over our own tensors (assigned
    by name to a model built on the meta device: no copy, nothing on disk); with --checkpoint it loads the
@@ -59,6 +64,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from first_token_parts import first_token_parts, plain_first_token
 
 from qwen4exp.checkpoint.gguf_writer import MIXES, ONE_TYPE
 from qwen4exp.engine.engine import Engine
@@ -433,6 +440,31 @@ def measure_prefix_cache(model, args, limit: int, device: torch.device) -> dict:
     return result
 
 
+def measure_first_tokens(model, args, limit: int, device: torch.device) -> list[dict]:
+    """Cold time to first token at each --ttft-prompts length, and where the third prompt's time went."""
+    lengths = [n for n in args.ttft_prompts if n <= args.max_ttft_prompt]
+    if not lengths:
+        return []
+    context = -(-(max(lengths) + 2) // args.chunk) * args.chunk
+    config = EngineConfig(slots=1, max_ctx=context, chunk=args.chunk, restore_spacing=args.restore_spacing,
+                          prefix_cache=True, prefix_cache_limit=int(args.cache_limit_gib * GiB),
+                          compile_decode=args.compile_decode)
+    cache = config.new_prefix_cache(model, device)
+    engine = Engine.from_config(model, config, prefix_cache=cache)
+    plain_first_token(engine, prompt_ids(16, limit, 500), device)     # a running engine, as a server's
+    results = []
+    for n in lengths:
+        first_s = plain_first_token(engine, prompt_ids(n, limit, 600 + n), device)
+        again_s = plain_first_token(engine, prompt_ids(n, limit, 700 + n), device)
+        split = first_token_parts(engine, prompt_ids(n, limit, 800 + n), device)
+        if split["error"]:
+            raise RuntimeError(f"the {n}-token prompt failed: {split['error']}")
+        results.append({"tokens": n, "first_s": first_s, "plain_s": again_s, "tokens_per_s": n / again_s, **split})
+    del engine, cache
+    release(device)
+    return results
+
+
 # ---- transformers ------------------------------------------------------------------------------------------
 
 def transformers_from_ours(model, text_config: dict, dtype: torch.dtype, device: torch.device):
@@ -527,6 +559,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-prefill", type=int, default=65536, help="skip prefill lengths above this")
     p.add_argument("--ttft-tokens", type=int, default=16384, help="the resent prompt's length")
     p.add_argument("--ttft-new-tokens", type=int, default=8, help="tokens generated for the resent prompt")
+    p.add_argument("--ttft-prompts", type=sizes, default=[128, 512, 2048, 16384, 65536, 262144],
+                   help="cold prompt lengths whose time to first token is split into its parts")
+    p.add_argument("--max-ttft-prompt", type=int, default=262144, help="skip --ttft-prompts lengths above this")
     p.add_argument("--restore-tokens", type=int, default=6144, help="the restored snapshot's length")
     p.add_argument("--restore-spacing", type=int, default=1024,
                    help="prefix cache restore spacing (divides --chunk and --restore-tokens)")
@@ -552,8 +587,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--layers goes with --random-weights (a checkpoint has its own layer count)")
     if args.chunk % args.restore_spacing:
         p.error(f"--restore-spacing ({args.restore_spacing}) must divide --chunk ({args.chunk})")
-    if any(b < 1 for b in args.busy) or any(n < 1 for n in args.prefill):
-        p.error("--busy and --prefill take positive integers")
+    if any(b < 1 for b in args.busy) or any(n < 1 for n in args.prefill + args.ttft_prompts):
+        p.error("--busy, --prefill and --ttft-prompts take positive integers")
     return args
 
 
@@ -681,7 +716,11 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
     result["prefix_cache"] = measure_prefix_cache(model, args, limit, device)
     save()
 
-    # 6. Memory.
+    # 6. Time to first token by prompt length.
+    result["first_tokens"] = measure_first_tokens(model, args, limit, device)
+    save()
+
+    # 7. Memory.
     if on_gpu:
         serving = torch.cuda.max_memory_allocated(device)
         peak = max(serving, result["startup"]["peak_until_ready_bytes"])
@@ -692,7 +731,7 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
         result["memory"] = {"peak_allocated_bytes": None, "weights_bytes": sum(work.bytes.values())}
     save()
 
-    # 7. transformers.
+    # 8. transformers.
     if args.compare_transformers:
         if text_config is None:     # it loads the checkpoint itself: give it our memory first
             del model
@@ -766,6 +805,11 @@ def table(r: dict) -> str:
                    f"identical: {pc['identical']}"),
               (f"restore of {pc['restore']['restored_tokens']} tokens ({pc['restore']['cached_tokens']} cached): "
                f"{pc['restore']['restore_ms']:.1f} ms")]
+    if r.get("first_tokens"):
+        lines += ["", f"{'cold prompt':<12}{'first s':>9}{'again s':>9}{'split s':>9}  where the split one's time went"]
+        for f in r["first_tokens"]:
+            parts = ", ".join(f"{k} {v * 1000:.1f}" for k, v in f["parts_s"].items() if v >= 0.0005)
+            lines.append(f"{f['tokens']:<12}{f['first_s']:>9.3f}{f['plain_s']:>9.3f}{f['ttft_s']:>9.3f}  ms: {parts}")
     m = r["memory"]
     if m.get("peak_allocated_bytes"):
         lines.append(f"peak device memory {m['peak_allocated_bytes'] / GiB:.1f} GiB "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,8 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 def load_script(name: str):
+    if str(BENCH) not in sys.path:      # the scripts import their helpers beside them, as when run from bench/
+        sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -83,6 +86,7 @@ def test_speed_smoke(tmp_path):
     argv = ["--random-weights", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--out", str(out),
             "--slots", "4", "--chunk", "32", "--restore-spacing", "16", "--prefill", "64,128,4096",
             "--max-prefill", "128", "--ttft-tokens", "128", "--restore-tokens", "48", "--decode-steps", "4",
+            "--ttft-prompts", "8,40,4096", "--max-ttft-prompt", "64",
             "--decode-warmup", "1", "--copy-mib", "8", "--matmul-size", "384", "--ceiling-reps", "5",
             "--hf-decode-steps", "3"]
     transformers = importlib.util.find_spec("transformers") is not None
@@ -123,6 +127,15 @@ def test_speed_smoke(tmp_path):
     assert pc["restore"]["identical"] is True and pc["restore"]["restores"] == 1
     assert 0 < pc["restore"]["restored_tokens"] == pc["restore"]["cached_tokens"] <= 48
     assert pc["restore"]["restore_ms"] > 0
+
+    # Each cold prompt length timed twice plain and once split into parts that add up to its time.
+    assert [f["tokens"] for f in r["first_tokens"]] == [8, 40]
+    for f in r["first_tokens"]:
+        assert f["first_s"] > 0 and f["plain_s"] > 0 and f["finish_reason"] == "length" and f["error"] is None
+        assert f["parts_s"]["forward"] > 0 and f["parts_s"]["sampling"] > 0
+        assert sum(f["parts_s"].values()) == pytest.approx(f["ttft_s"])
+    # The 40-token prompt crosses a restore point (spacing 16, chunk 32): its chunk's snapshot was captured.
+    assert r["first_tokens"][0]["parts_s"]["capture"] == 0 and r["first_tokens"][1]["parts_s"]["capture"] > 0
 
     if transformers:
         h = r["transformers"]
