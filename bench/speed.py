@@ -33,7 +33,8 @@ Measured, in this order (the JSON is rewritten after each part, so a crash keeps
    the restore time of a --restore-tokens snapshot (that prompt sent, then sent again) from the cache
    counters;
 6. time to first token of cold prompts at each --ttft-prompts length (up to --max-ttft-prompt), in an engine of
-   one slot served as a server's (prefix cache on, one short request served before): the first prompt of a
+   one slot served as a server's (on a GPU warmed up as the worker does, engine/warm_up.py, its seconds
+   reported; prefix cache on; one short request served before): the first prompt of a
    length, a second one of the same length (other tokens: what a compile on a new length cost shows as the
    difference), and a third split into where its time went (bench/first_token_parts.py: forward, sampling,
    snapshot capture, restore lookup, the allocator's release, host work; new device memory segments);
@@ -440,17 +441,19 @@ def measure_prefix_cache(model, args, limit: int, device: torch.device) -> dict:
     return result
 
 
-def measure_first_tokens(model, args, limit: int, device: torch.device) -> list[dict]:
-    """Cold time to first token at each --ttft-prompts length, and where the third prompt's time went."""
+def measure_first_tokens(model, args, limit: int, device: torch.device) -> dict:
+    """Cold time to first token at each --ttft-prompts length, and where the third prompt's time went, in an
+    engine warmed up as the daemon's worker warms its own (engine/warm_up.py) on a GPU."""
     lengths = [n for n in args.ttft_prompts if n <= args.max_ttft_prompt]
     if not lengths:
-        return []
+        return {"warm_up_s": None, "prompts": []}
     context = -(-(max(lengths) + 2) // args.chunk) * args.chunk
     config = EngineConfig(slots=1, max_ctx=context, chunk=args.chunk, restore_spacing=args.restore_spacing,
                           prefix_cache=True, prefix_cache_limit=int(args.cache_limit_gib * GiB),
                           compile_decode=args.compile_decode)
     cache = config.new_prefix_cache(model, device)
     engine = Engine.from_config(model, config, prefix_cache=cache)
+    warm_up_s = engine.warm_up() if device.type == "cuda" else None
     plain_first_token(engine, prompt_ids(16, limit, 500), device)     # a running engine, as a server's
     results = []
     for n in lengths:
@@ -462,7 +465,7 @@ def measure_first_tokens(model, args, limit: int, device: torch.device) -> list[
         results.append({"tokens": n, "first_s": first_s, "plain_s": again_s, "tokens_per_s": n / again_s, **split})
     del engine, cache
     release(device)
-    return results
+    return {"warm_up_s": warm_up_s, "prompts": results}
 
 
 # ---- transformers ------------------------------------------------------------------------------------------
@@ -805,9 +808,9 @@ def table(r: dict) -> str:
                    f"identical: {pc['identical']}"),
               (f"restore of {pc['restore']['restored_tokens']} tokens ({pc['restore']['cached_tokens']} cached): "
                f"{pc['restore']['restore_ms']:.1f} ms")]
-    if r.get("first_tokens"):
+    if r.get("first_tokens", {}).get("prompts"):
         lines += ["", f"{'cold prompt':<12}{'first s':>9}{'again s':>9}{'split s':>9}  where the split one's time went"]
-        for f in r["first_tokens"]:
+        for f in r["first_tokens"]["prompts"]:
             parts = ", ".join(f"{k} {v * 1000:.1f}" for k, v in f["parts_s"].items() if v >= 0.0005)
             lines.append(f"{f['tokens']:<12}{f['first_s']:>9.3f}{f['plain_s']:>9.3f}{f['ttft_s']:>9.3f}  ms: {parts}")
     m = r["memory"]

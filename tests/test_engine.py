@@ -65,6 +65,40 @@ def test_alone_equals_together_bit_for_bit(model, seed, monkeypatch):
         assert_same_logits(request, _alone(model, spec), f"request with a {len(spec['prompt_ids'])}-token prompt")
 
 
+def test_the_warm_up_runs_each_kind_of_prompt_chunk_and_leaves_no_trace(model, monkeypatch):
+    """engine.warm_up, which a GPU worker runs before serving so that no request waits on a kernel compile, runs
+    one prompt chunk of each kind (one token and a whole chunk, from the start and past QSA's dense reach) on
+    the first slot; that slot is empty after, and requests on the warmed engine get, bit for bit, the logits
+    rows they get on one that was not warmed up. Once serving, it is refused."""
+    from qwen4exp.engine.warm_up import warm_up_chunks
+
+    record_logits(monkeypatch)
+    rng = random.Random(5)
+    specs = [_spec(rng) for _ in range(3)]
+    engine = _engine(model)
+    seen = []
+    real_forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda ids, state, **kw: (seen.append((state.length, len(ids))),
+                                                                    real_forward(ids, state, **kw))[1])
+    assert engine.warm_up() > 0
+    monkeypatch.undo()
+    dense_end = (model.config.dense_limit // CHUNK + 1) * CHUNK
+    assert seen == warm_up_chunks(model.config, CHUNK, CONTEXT) == [(0, 1), (0, CHUNK), (dense_end, 1),
+                                                                     (dense_end, CHUNK)]
+    first = engine.pool.slots[0].state
+    assert first.length == 0 and not any(layer.recurrent.any() for layer in first.layers if hasattr(layer, "recurrent"))
+    record_logits(monkeypatch)
+    requests = run_staggered(engine, specs, [0, 1, 3])
+    for spec, request in zip(specs, requests):
+        assert_same_logits(request, _alone(model, spec), f"after the warm-up, a {len(spec['prompt_ids'])}-token prompt")
+    engine.start()
+    try:
+        with pytest.raises(RuntimeError, match="before it serves"):
+            engine.warm_up()
+    finally:
+        engine.stop()
+
+
 def test_admission_is_first_in_first_out(model):
     engine = _engine(model, slots=1)
     requests = [engine.submit(Request(prompt_ids=[3 + i] * 5, max_tokens=2)) for i in range(4)]

@@ -21,6 +21,7 @@ from qwen4exp.engine.model import backend, kernel_launches
 from qwen4exp.engine.model.config import ModelConfig
 from qwen4exp.engine.model.ops import TORCH_OPS, TorchOps
 from qwen4exp.engine.model.triton_ops import TRITON_OPS, TritonOps
+from qwen4exp.engine.warm_up import warm_up_chunks
 from qwen4exp.kernels import ahead_of_time, guard, quant_tiles
 
 triton = pytest.importorskip("triton")
@@ -66,6 +67,19 @@ def package_kernels() -> set[str]:
             if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                 names.add(name)
     return names
+
+
+@pytest.mark.parametrize("preset, quant", [("bench", None), ("full", "ud-q4_k_xl")])
+def test_a_prompt_of_any_length_runs_the_binaries_the_warm_up_built(preset, quant):
+    """The chunks a worker runs before it serves (engine/warm_up.py, at the shipped 4096-token chunk) launch every
+    binary that prompt chunks of other lengths launch: a request never waits on a compile. A kernel specializing
+    on a count that follows the prompt's length (rows, expert pairs) would give the lengths new binaries."""
+    config = ModelConfig.from_dict(preset_config(preset, dtype="bfloat16"))
+    kinds = tuple(sorted({rows for _, rows in warm_up_chunks(config, 4096, capacity=1 << 20)}))
+    warmed = {launch.key() for launch in recorded(preset, "sm_90", quant, chunks=kinds, decode_rows=(1,))}
+    lengths = (2, 5, 17, 48, 100, 333, 500, 2047, 3000, 4096)   # the grid's last position: 4096, as warmed
+    others = recorded(preset, "sm_90", quant, chunks=lengths, decode_rows=(1,))
+    assert [launch.describe() for launch in others if launch.key() not in warmed] == []
 
 
 def test_the_recorded_launches_reach_every_kernel_of_the_package():

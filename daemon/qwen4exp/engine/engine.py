@@ -27,6 +27,7 @@ from .request import FinishReason, QueueFull, Request, RequestRejected
 from .sampling import Sampler
 from .slots import Slot, SlotPool
 from .stops import StopMatcher
+from .warm_up import warm_up
 
 log = logging.getLogger("qwen4exp.engine")
 
@@ -91,6 +92,15 @@ class Engine:
         return cls(model, slots=config.slots, context=context, chunk=config.chunk,
                    restore_spacing=config.restore_spacing, queue_limit=config.queue_limit, tokenizer=tokenizer,
                    prefix_cache=prefix_cache, cuda_graphs=config.cuda_graphs, compile_decode=config.compile_decode)
+
+    def warm_up(self) -> float:
+        """Compile every kernel a prompt can launch, on the first slot, before serving (warm_up.py); the
+        seconds it took."""
+        if self.pool.busy() or self._thread is not None:
+            raise RuntimeError("warm the engine up before it serves")
+        started = time.perf_counter()
+        warm_up(self.model, self.pool.slots[0].state, self.chunk, self.device)
+        return time.perf_counter() - started
 
     # ---- submission (any thread) -------------------------------------------------------------------
     def submit(self, request: Request) -> Request:

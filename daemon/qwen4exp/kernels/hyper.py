@@ -97,7 +97,8 @@ if triton is not None:
                          mask=t_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
         return rounded(weight * normed, dtype, INTERPRETED)
 
-    @triton.jit
+    # Not specialized on the row count: a prompt of any length runs the binary a start-up chunk built.
+    @triton.jit(do_not_specialize=["rows"])
     def _mix_kernel(low_ptr, low_stride, up_ptr, normed_ptr, mixed_ptr, parts_ptr, inject_ptr, inject_stride,
                     gates_ptr, rows, H: tl.constexpr, HC: tl.constexpr, R: tl.constexpr, ACT_READY: tl.constexpr,
                     HAS_GATES: tl.constexpr, SPLIT_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr,

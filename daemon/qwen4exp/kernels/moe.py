@@ -168,7 +168,7 @@ if triton is not None:
             acc = rounded(acc, dtype, INTERPRETED) + rounded(scale * shared.to(tl.float32), dtype, INTERPRETED)
         tl.store(out_ptr + row.to(tl.int64) * hidden + feat, round_to(acc, dtype, INTERPRETED), mask=feat < hidden)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])   # a prompt's length changes it: one binary for all
     def _grouped_gate_up_kernel(x_ptr, pair_of_row_ptr, expert_of_block_ptr, w_ptr, h_ptr,
                                 num_pairs, num_experts, hidden, inter, top_k, INTERPRETED: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -201,7 +201,7 @@ if triton is not None:
         h_ptrs = h_ptr + rows[:, None].to(tl.int64) * inter + feat[None, :]
         tl.store(h_ptrs, h, mask=feat_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])   # a prompt's length changes it: one binary for all
     def _grouped_down_kernel(h_ptr, pair_of_row_ptr, expert_of_block_ptr, weights_ptr, w_ptr, y_ptr,
                              num_pairs, num_experts, hidden, inter, INTERPRETED: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

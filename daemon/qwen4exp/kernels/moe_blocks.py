@@ -99,7 +99,7 @@ if triton is not None:
         y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
         tl.store(y_ptr + pair.to(tl.int64) * hidden + feat, y, mask=feat < hidden)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])   # a prompt's length changes it: one binary for all
     def _grouped_gate_up_blocks_kernel(x_ptr, pair_of_row_ptr, expert_of_block_ptr, w_ptr, grid_ptr, h_ptr,
                                        num_pairs, num_experts, hidden, inter, top_k, row_bytes, QTYPE: tl.constexpr,
                                        INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -131,7 +131,7 @@ if triton is not None:
         h = silu_mul(acc_gate, acc_up, dtype, INTERPRETED)
         tl.store(h_ptr + rows[:, None].to(tl.int64) * inter + feat[None, :], h, mask=(feat < inter)[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])   # a prompt's length changes it: one binary for all
     def _grouped_down_blocks_kernel(h_ptr, pair_of_row_ptr, expert_of_block_ptr, weights_ptr, w_ptr, grid_ptr, y_ptr,
                                     num_pairs, num_experts, hidden, inter, row_bytes, QTYPE: tl.constexpr,
                                     INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

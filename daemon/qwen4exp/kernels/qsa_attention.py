@@ -47,7 +47,7 @@ def fits(head_dim: int, heads: int, kv_heads: int, index_dim: int, index_heads: 
 if triton is not None:
     from .rounding import round_to
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows", "n_blocks"])   # they follow the prompt's length: one binary for all
     def _rank_kernel(q_ptr, keys_ptr, complete_ptr, out_ptr, rows, n_blocks, keys_row_stride, sqrt_dim: tl.constexpr,
                      HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, DIM: tl.constexpr, QUERIES: tl.constexpr,
                      BLOCK_B: tl.constexpr, INTERPRETED: tl.constexpr):

@@ -81,6 +81,7 @@ async def props(request: web.Request) -> web.Response:
         "slots": engine.slots,
         "chunk": engine.chunk,
         "device": supervisor.info.get("device"),
+        "warm_up_s": supervisor.info.get("warm_up_seconds"),
         "dtype": engine.dtype,
         "prefix_cache": stats.get("prefix_cache"),
         "busy_slots": stats.get("busy_slots"),

@@ -59,7 +59,8 @@ class Stop:
 # ---- worker -> daemon -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Ready:
-    info: dict            # context, plan, context_fitted_now, load_seconds, device, vocab_size, gpu_bytes
+    info: dict            # context, plan, context_fitted_now, load_seconds, warm_up_seconds, device, vocab_size,
+                          # gpu_bytes
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,11 @@ class Worker:
             self.cache = config.new_prefix_cache(model, device)
         self.engine = Engine.from_config(model, config, context=context, tokenizer=Tokenizer.from_path(config.model),
                                          prefix_cache=self.cache)
+        # On a GPU, the kernels a prompt can launch are compiled now, not on the first requests' path.
+        warm_up_seconds = self.engine.warm_up() if device.type == "cuda" else 0.0
         self.engine.start()
         return {"context": context, "plan": self.plan, "context_fitted_now": fitted_now,
-                "load_seconds": round(time.perf_counter() - started, 3),
+                "load_seconds": round(time.perf_counter() - started, 3), "warm_up_seconds": round(warm_up_seconds, 3),
                 "device": str(device), "vocab_size": model.config.vocab_size,
                 "gpu_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else 0}
 

@@ -1,0 +1,45 @@
+"""Every kernel a prompt can launch, compiled before the first request.
+
+Triton builds a binary for each kind of a kernel's int arguments (1, a multiple of 16, any other) and each set of
+its constexprs. The counts that follow a prompt's length (a chunk's rows, its expert pairs, the ids it looks up)
+are not specialized on (the kernels' do_not_specialize), so what tells a prompt chunk's binaries apart is its
+kind: one token, a few (the block products' few-row kernel past 16 rows goes to the dequantized GEMM; the
+experts' dense GEMMs take over from about 52), a whole chunk, from the prompt's start or past QSA's dense reach
+(where the indexer ranks blocks). Chunks start on the chunk grid (restores too: spacings divide the chunk), so
+their positions are multiples of 16 alike.
+
+`warm_up` runs one chunk of each kind on a free slot's state and empties it again. A prompt of any length then
+runs binaries that exist (tests/test_kernel_builds.py holds the launches of many lengths to these), instead of
+compiling on a request's path: seconds on a machine's first start, a load from Triton's cache after that. The
+decode step needs none of this: its CUDA graph is captured when the engine is made.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .memory import release_cached_blocks
+from .model.causal_lm import Qwen4ExpForCausalLM
+from .state import SequenceState
+
+PROMPT_ROWS = (1, 37)   # one token; a few (more than the block products' 16 rows, fewer than the dense GEMMs' 52)
+
+
+def warm_up_chunks(cfg, chunk: int, capacity: int) -> list[tuple[int, int]]:
+    """(start position, rows) of each kind of prompt chunk that a slot of `capacity` tokens can hold."""
+    past_dense = (cfg.dense_limit // chunk + 1) * chunk      # the first chunk-grid position past the dense reach
+    rows = sorted({*(r for r in PROMPT_ROWS if r < chunk), chunk})
+    return [(start, n) for start in (0, past_dense) for n in rows if start + n <= capacity]
+
+
+def warm_up(model: Qwen4ExpForCausalLM, state: SequenceState, chunk: int, device: torch.device) -> None:
+    """Each kind of prompt chunk through `model` on `state` (a free slot's: emptied again after; its K/V past
+    the start position hold whatever they held, which nothing reads once it is emptied)."""
+    try:
+        for start, rows in warm_up_chunks(model.config, chunk, state.capacity):
+            state.reset()
+            state.length = start
+            model(torch.zeros(rows, dtype=torch.long, device=device), state)
+    finally:
+        state.reset()
+        release_cached_blocks(device)
