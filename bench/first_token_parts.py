@@ -14,6 +14,7 @@ before), and the time from its submission to the moment the engine takes its fir
 Each part is timed by wrapping the engine's own calls for the one request, so the split adds a synchronisation
 per call; `plain_s` is the same length's time to first token without the wrappers. The device's new memory
 segments (torch's count of cudaMalloc calls) during the prompt tell whether it waited on allocation.
+`first_token` is the submit-and-step loop every time to first token of bench/speed.py is taken with.
 """
 
 from __future__ import annotations
@@ -76,19 +77,13 @@ def first_token_parts(engine: Engine, prompt: list[int], device: torch.device) -
 
     with contextlib.ExitStack() as patches:
         patches.enter_context(_patched(engine.model, "forward", timed("forward")))   # the prompt chunks' call
-        patches.enter_context(_patched(Sampler, "__call__", lambda fn: timed("sampling")(fn)))
+        patches.enter_context(_patched(Sampler, "__call__", timed("sampling")))
         patches.enter_context(_patched(engine_module, "release_cached_blocks", timed("release")))
         if engine.prefix_cache is not None:
             patches.enter_context(_patched(engine.prefix_cache, "capture", timed("capture")))
             patches.enter_context(_patched(engine.prefix_cache, "restore_longest", timed("restore")))
-        _sync(device)
         segments = _segments(device)
-        started = time.perf_counter()
-        request = engine.submit(Request(prompt_ids=prompt, max_tokens=1))
-        while not request.output_ids and not request.finished:
-            engine.step()
-        _sync(device)
-        took = (request.first_token_at or time.perf_counter()) - started
+        request, took = first_token(engine, prompt, 1, device)
         new_segments = None if segments is None else _segments(device) - segments
     engine.run_until_idle()
     parts = {part: seconds[part] for part in PARTS}
@@ -98,14 +93,22 @@ def first_token_parts(engine: Engine, prompt: list[int], device: torch.device) -
             "error": request.error}
 
 
-def plain_first_token(engine: Engine, prompt: list[int], device: torch.device) -> float:
-    """The time to first token of `prompt` with nothing wrapped."""
+def first_token(engine: Engine, prompt: list[int], max_tokens: int, device: torch.device) -> tuple[Request, float]:
+    """Submit a request and step until its first token: (request, seconds from the submission to the moment
+    the engine took the token, when a stream sends it; the step goes on to a decode step, which is not
+    counted). The rest is left to run."""
     _sync(device)
     started = time.perf_counter()
-    request = engine.submit(Request(prompt_ids=prompt, max_tokens=1))
+    request = engine.submit(Request(prompt_ids=prompt, max_tokens=max_tokens))
     while not request.output_ids and not request.finished:
         engine.step()
     _sync(device)
-    took = (request.first_token_at or time.perf_counter()) - started
+    took = request.first_token_at if request.first_token_at is not None else time.perf_counter()
+    return request, took - started
+
+
+def plain_first_token(engine: Engine, prompt: list[int], device: torch.device) -> float:
+    """The time to first token of `prompt` with nothing wrapped; the request is run to its end."""
+    _, took = first_token(engine, prompt, 1, device)
     engine.run_until_idle()
     return took

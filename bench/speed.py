@@ -66,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-from first_token_parts import first_token_parts, plain_first_token
+from first_token_parts import first_token, first_token_parts, plain_first_token
 
 from qwen4exp.checkpoint.gguf_writer import MIXES, ONE_TYPE
 from qwen4exp.engine.engine import Engine
@@ -307,20 +307,6 @@ class Work:
 
 
 # ---- measurements -----------------------------------------------------------------------------------------
-
-def first_token(engine: Engine, prompt: list[int], max_tokens: int, device: torch.device) -> tuple[Request, float]:
-    """Submit a request and step until its first token: (request, seconds from the submission to the moment
-    the engine took the token, when a stream sends it; the step goes on to a decode step, which is not
-    counted). The rest is left to run."""
-    sync(device)
-    started = time.perf_counter()
-    request = engine.submit(Request(prompt_ids=prompt, max_tokens=max_tokens))
-    while not request.output_ids and not request.finished:
-        engine.step()
-    sync(device)
-    took = request.first_token_at if request.first_token_at is not None else time.perf_counter()
-    return request, took - started
-
 
 class LogitsProbe:
     """Keeps the logits of the model's prompt chunks to check they are finite; skips CUDA graph captures, where
