@@ -430,7 +430,8 @@ def measure_prefix_cache(model, args, limit: int, device: torch.device) -> dict:
 def measure_first_tokens(model, args, limit: int, device: torch.device) -> dict:
     """Cold time to first token at each --ttft-prompts length, and where the third prompt's time went, in an
     engine warmed up as the daemon's worker warms its own (engine/warm_up.py) on a GPU."""
-    lengths = [n for n in args.ttft_prompts if n <= args.max_ttft_prompt]
+    longest = args.max_ttft_prompt or (262144 if device.type == "cuda" else 2048)
+    lengths = [n for n in args.ttft_prompts if n <= longest]
     if not lengths:
         return {"warm_up_s": None, "prompts": []}
     context = -(-(max(lengths) + 2) // args.chunk) * args.chunk
@@ -550,7 +551,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ttft-new-tokens", type=int, default=8, help="tokens generated for the resent prompt")
     p.add_argument("--ttft-prompts", type=sizes, default=[128, 512, 2048, 16384, 65536, 262144],
                    help="cold prompt lengths whose time to first token is split into its parts")
-    p.add_argument("--max-ttft-prompt", type=int, default=262144, help="skip --ttft-prompts lengths above this")
+    p.add_argument("--max-ttft-prompt", type=int, default=0,
+                   help="skip --ttft-prompts lengths above this (0: 262144 on a GPU, 2048 on CPU)")
     p.add_argument("--restore-tokens", type=int, default=6144, help="the restored snapshot's length")
     p.add_argument("--restore-spacing", type=int, default=1024,
                    help="prefix cache restore spacing (divides --chunk and --restore-tokens)")

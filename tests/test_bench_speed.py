@@ -159,7 +159,7 @@ def test_speed_on_a_random_gguf_mix_counts_the_blocks_a_step_reads(tmp_path):
     r = speed.main(["--random-weights", "--preset", "tiny", "--quant", "ud-q4_k_xl", "--device", "cpu", "--dtype",
                     "float32", "--out", str(out), "--slots", "2", "--chunk", "32", "--restore-spacing", "16",
                     "--prefill", "64", "--ttft-tokens", "64", "--restore-tokens", "32", "--decode-steps", "2",
-                    "--decode-warmup", "1", "--busy", "1,2", "--copy-mib", "8", "--matmul-size", "256",
+                    "--ttft-prompts", "8,40", "--decode-warmup", "1", "--busy", "1,2", "--copy-mib", "8", "--matmul-size", "256",
                     "--ceiling-reps", "3"])
     cfg = ModelConfig.from_dict(preset_config("tiny"))
     hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
