@@ -159,8 +159,8 @@ def test_speed_on_a_random_gguf_mix_counts_the_blocks_a_step_reads(tmp_path):
     r = speed.main(["--random-weights", "--preset", "tiny", "--quant", "ud-q4_k_xl", "--device", "cpu", "--dtype",
                     "float32", "--out", str(out), "--slots", "2", "--chunk", "32", "--restore-spacing", "16",
                     "--prefill", "64", "--ttft-tokens", "64", "--restore-tokens", "32", "--decode-steps", "2",
-                    "--ttft-prompts", "8,40", "--decode-warmup", "1", "--busy", "1,2", "--copy-mib", "8", "--matmul-size", "256",
-                    "--ceiling-reps", "3"])
+                    "--ttft-prompts", "8,40", "--decode-warmup", "1", "--busy", "1,2", "--copy-mib", "8",
+                    "--matmul-size", "256", "--ceiling-reps", "3"])
     cfg = ModelConfig.from_dict(preset_config("tiny"))
     hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
     # tiny's 64-wide rows take Q8_0 for gate/up (Q4_K needs 256); down rows are Q5_1 but on layers 2 and 4 (Q8_0)

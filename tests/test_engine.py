@@ -99,6 +99,34 @@ def test_the_warm_up_runs_each_kind_of_prompt_chunk_and_leaves_no_trace(model, m
         engine.stop()
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_logprobs_are_those_of_the_logits_each_token_came_from(model, monkeypatch, sampled):
+    """A request asking for log-probabilities gets, at each output position, the log-softmax of the raw logits
+    row its token was chosen from (before temperature): its token's and the k most likely tokens', most likely
+    first; asking for them changes no token, and a neighbour's request does not change them."""
+    record_logits(monkeypatch)
+    sampling = SamplingParams(temperature=1.3, top_k=50, seed=4) if sampled else SamplingParams()
+    spec = {"prompt_ids": [11 + i % 50 for i in range(70)], "max_tokens": 9, "sampling": sampling}
+    engine = _engine(model)
+    engine.submit(Request(prompt_ids=[5] * 40, max_tokens=12))
+    asked = engine.submit(Request(**spec, logprobs=5))
+    plain = engine.submit(Request(**spec))
+    engine.run_until_idle()
+    assert asked.output_ids == plain.output_ids and plain.output_logprobs == []
+    assert len(asked.output_logprobs) == len(asked.output_ids) == 9
+    for token, row, position in zip(asked.output_ids, asked.logits, asked.output_logprobs):
+        want = torch.log_softmax(row.float(), -1)
+        values, ids = torch.topk(want, 5)
+        assert position.token == token and position.logprob == float(want[token])
+        assert [i for i, _ in position.top] == ids.tolist()
+        assert [lp for _, lp in position.top] == values.tolist()
+        if not sampled:
+            assert position.top[0] == (token, position.logprob)
+    assert sampled == any(p.top[0][0] != p.token for p in asked.output_logprobs)
+    with pytest.raises(RequestRejected, match="logprobs must be between 0 and 20, got 21"):
+        engine.submit(Request(prompt_ids=[1], max_tokens=1, logprobs=21))
+
+
 def test_admission_is_first_in_first_out(model):
     engine = _engine(model, slots=1)
     requests = [engine.submit(Request(prompt_ids=[3 + i] * 5, max_tokens=2)) for i in range(4)]

@@ -113,3 +113,43 @@ def test_ple_auto_moves_a_quantized_table_to_the_host_when_that_fits_a_longer_co
     choice = EngineConfig(ple="auto").resolve_context(model, gpu)
     assert choice.context == 16384 and table.host
     assert any("PLE table" in note and "16384" in note for note in choice.fit.notes)
+
+
+def test_a_table_the_fit_moved_to_the_host_stays_there_after_an_unpark_and_in_a_restarted_worker(tmp_path,
+                                                                                                   monkeypatch):
+    """The context fitted with `ple = "auto"`'s table in host memory is kept by an unpark (release level) and by
+    a worker started after a crash, neither of which fits again: both must load the table into host memory
+    again, or they would serve a context the device cannot hold."""
+    import asyncio
+
+    from qwen4exp.engine import fit
+    from qwen4exp.engine.loading import quantized_ple_tables
+    from qwen4exp.server.messages import ParkLevel, Ready
+    from qwen4exp.server.supervisor import Supervisor
+    from qwen4exp.server.worker import Worker
+
+    path, _ = quantized_table_model(tmp_path)
+
+    def fit_moving_the_table(self, model, device, **overrides):       # what a GPU's fit does (see above)
+        for table in quantized_ple_tables(model):
+            table.keep_on_host()
+        return fit.ContextChoice(256, None)
+
+    monkeypatch.setattr(EngineConfig, "resolve_context", fit_moving_the_table)
+    config = EngineConfig(model=str(path), device="cpu", dtype="float32", slots=1, max_ctx="auto", chunk=32,
+                          prefix_cache=False, ple="auto")
+    worker = Worker(config, conn=None)
+    info = worker.load()
+    assert info["context"] == 256 and info["ple"] == "host"
+    worker.park(ParkLevel.RELEASE)
+    monkeypatch.setattr(EngineConfig, "resolve_context", lambda *a, **k: pytest.fail("a kept context is refitted"))
+    assert worker.load()["context"] == 256
+    assert all(table.host for table in quantized_ple_tables(worker.engine.model))
+    worker.park(ParkLevel.RELEASE)
+
+    supervisor = Supervisor(config)
+    loop = asyncio.new_event_loop()
+    supervisor._ready = loop.create_future()
+    supervisor._dispatch(Ready(info))
+    loop.close()
+    assert supervisor.config.ple == "host"           # what the next worker is started with

@@ -164,3 +164,24 @@ def test_a_quantized_ple_table_in_host_memory_gives_what_it_gives_on_the_device(
     starts = [0, 3, 7, 12]
     assert (_run(Engine(on_host, slots=4, context=CONTEXT, chunk=CHUNK), specs, starts)
             == _run(Engine(on_device, slots=4, context=CONTEXT, chunk=CHUNK), specs, starts))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_model_parked_in_host_memory_comes_back_the_same(models, name, monkeypatch):
+    """Park level "offload": every weight leaves the device for pinned host memory (the device keeps none of
+    them), and the model brought back gives every logits row it gave before, bit for bit."""
+    from qwen4exp.engine.offload import offload, restore
+
+    record_logits(monkeypatch)
+    model, specs = models[name], _specs()
+    before = run_staggered(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK), specs, [0, 1, 2, 3])
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    moved = offload(model)
+    tensors = [*model.parameters(), *model.buffers()]
+    assert moved > 0 and all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
+    assert held - torch.cuda.memory_allocated() >= moved
+    restore(model, torch.device("cuda"))
+    after = run_staggered(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK), specs, [0, 1, 2, 3])
+    for got, want in zip(after, before):
+        assert_same_logits(got, want, f"{name}, {len(want.prompt_ids)}-token prompt, after an offload park")

@@ -212,7 +212,7 @@ def test_health_answers_while_large_bodies_are_prepared(server):
      "'messages[0].content' has a lone surrogate"),
     ("/generate", {"prompt": "a", "stop": ["\ud800"]}, "stop", "lone surrogate"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs",
-     "top_logprobs is not supported"),
+     "'top_logprobs' needs 'logprobs': true"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "a"}]}, "messages",
      "messages[0].role must be one of"),
 ])

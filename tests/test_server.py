@@ -158,6 +158,24 @@ def _park_then_unpark(server, thread, results, snapshot_prompt):
     assert status == 200 and body["usage"]["cached_prompt_tokens"] == 64
 
 
+@pytest.mark.parametrize("level, weights_from", [("offload", "host memory"), ("release", "checkpoint")])
+def test_a_park_that_keeps_the_weights_in_host_memory_unparks_without_the_checkpoint(server, level, weights_from):
+    """Level "offload" keeps the weights in (pinned) host memory and unpark takes them from there, not from the
+    checkpoint; "release" reads the checkpoint again. Either way the answers after are those before."""
+    ask = {"prompt_ids": list(range(3, 40)), "max_tokens": 6, "ignore_eos": True}
+    before = server.request("POST", "/generate", ask)[1]["token_ids"]
+    try:
+        status, parked, _ = server.request("POST", "/park", {"level": level}, key=ADMIN_KEY)
+        assert status == 200 and parked["level"] == level and parked["context"] == CONTEXT
+        assert parked["device_bytes_in_use"] is None and parked["host_bytes_kept"] == 0     # the CPU: nothing moved
+    finally:
+        status, unparked, _ = server.request("POST", "/unpark", {}, key=ADMIN_KEY)
+    assert status == 200 and unparked["weights_from"] == weights_from
+    assert server.request("POST", "/generate", ask)[1]["token_ids"] == before
+    status, body, _ = server.request("POST", "/park", {"level": "evict"}, key=ADMIN_KEY)
+    assert status == 400 and body["error"]["param"] == "level" and "'level' must be" in body["error"]["message"]
+
+
 def test_killed_worker_fails_in_flight_and_comes_back(server):
     thread, results = _long_request_in_background(server, token=6, max_tokens=400)
     server.supervisor.kill_worker()

@@ -268,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text offline, through the engine a profile serves")
     gen.add_argument("--profile", default=None, help="a profile name or path (default: QWEN4EXP_PROFILE, else tiny): "
                      "model, device, dtype, chunk and the decode settings; the flags below override it")
-    gen.add_argument("--model", default=None, help="checkpoint directory, or 'tiny' (the embedded model)")
+    gen.add_argument("--model", default=None, help="checkpoint directory, .gguf file, Hugging Face id "
+                     "(org/repo, org/repo:QUANT), or 'tiny' (the embedded model)")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
@@ -298,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="serve the HTTP API (native, OpenAI-compatible, admin) from a profile")
     srv.add_argument("--profile", default=None, help="a profile name or path (default: QWEN4EXP_PROFILE, else tiny)")
-    srv.add_argument("--model", default=None, help="checkpoint directory, or 'tiny'")
+    srv.add_argument("--model", default=None, help="checkpoint directory, .gguf file, Hugging Face id "
+                     "(org/repo, org/repo:QUANT), or 'tiny'")
     srv.add_argument("--host", default=None)
     srv.add_argument("--port", type=int, default=None)
     srv.add_argument("--max-ctx", default=None, help="tokens per slot, or 'auto' to fit the device")

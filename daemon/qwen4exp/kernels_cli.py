@@ -90,8 +90,8 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     kern = sub.add_parser("kernels", help="compile every Triton kernel the engine launches, for this GPU (warms "
                           "Triton's cache) or for the checked targets (no GPU needed)")
-    kern.add_argument("--model", default="full", help="a checkpoint directory, a GGUF file or a preset (bench, full; "
-                      "default: full): the shapes to compile for")
+    kern.add_argument("--model", default="full", help="a checkpoint directory, a GGUF file, a Hugging Face id "
+                      "(org/repo[:QUANT]) or a preset (bench, full; default: full): the shapes to compile for")
     kern.add_argument("--quant", default=None, help="with a preset: the GGUF mix (ud-q4_k_xl, q8_0, ...) or block "
                       "type (Q4_K, IQ4_NL, ...) whose quantized weights' kernels to compile")
     kern.add_argument("--target", default=None, help="sm_90, sm_80, gfx1201, gfx1151, all, or here (default: here "

@@ -1,19 +1,42 @@
-"""Where a `model` setting points: a checkpoint directory, a GGUF file, or `tiny`, the embedded default."""
+"""What a `model` setting names: a checkpoint directory, a GGUF file, `tiny` (the embedded default), or a Hugging Face
+id (`org/repo`, `org/repo:QUANT`, either with `@revision`), which hub.py turns into a path in huggingface_hub's cache.
+
+A local path always wins: `org/repo` is an id only when nothing of that name exists, so a directory laid out like an
+id is still read from disk, and `./org/repo` is a path whatever exists."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from .hub import HubError, HubId, resolve
+
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "tiny_model"
 
 
+def hub_id(name: str, base: Path | None = None) -> HubId | None:
+    """The Hugging Face id `name` spells, or None: when it names something that exists (relative to `base`, else to
+    the working directory), or when it is not shaped like an id (`tiny`, `/abs/path`, `./x`, `x.gguf`)."""
+    path = Path(name).expanduser()
+    if (path if base is None else base / path).exists():
+        return None
+    return HubId.parse(name)
+
+
 def resolve_model(name: str) -> Path:
-    """A checkpoint directory, a GGUF file (the first shard of a split set), or `tiny`: the embedded default, a
-    small qwen4_exp trained on a public-domain text that ships inside the package (see assets/tiny_model/README.md)."""
+    """A checkpoint directory, a GGUF file (the first shard of a split set), `tiny`: the embedded default, a small
+    qwen4_exp trained on a public-domain text that ships inside the package (see assets/tiny_model/README.md), or a
+    Hugging Face id: its snapshot directory or GGUF file in the cache, downloaded first when the cache lacks it."""
     path = Path(name)
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
     if name == "tiny" and (EMBEDDED_MODEL / "config.json").exists():
         return EMBEDDED_MODEL
-    raise SystemExit(f"error: --model {name!r} is neither a checkpoint directory, a .gguf file nor 'tiny' "
-                     f"(write random-weight checkpoints with `qwen4exp init-checkpoint --preset tiny|bench|full`)")
+    found = hub_id(name)
+    if found is not None:
+        try:
+            return resolve(found)
+        except HubError as err:
+            raise SystemExit(f"error: model {name!r}: {err}") from None
+    raise SystemExit(f"error: model {name!r} is neither a checkpoint directory, a .gguf file, a Hugging Face id "
+                     f"(org/repo, org/repo:QUANT) nor 'tiny' (write random-weight checkpoints with "
+                     f"`qwen4exp init-checkpoint --preset tiny|bench|full`)")

@@ -7,6 +7,7 @@ by a sandboxed jinja2 environment, with the same whitespace options as transform
 from __future__ import annotations
 
 import codecs
+import datetime
 import functools
 import json
 import re
@@ -43,6 +44,17 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    """Templates' `tojson` as transformers defines it (Qwen's templates render tools with it): plain json.dumps,
+    without jinja2's HTML escaping of <, > and &, which would change the text the model reads."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -65,10 +77,13 @@ class Tokenizer:
         # Longest first, so a special string that contains another is matched whole.
         self._specials = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) \
             if specials else None
+        self.chat_template = chat_template
         self._template = None
         if chat_template is not None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            env.filters["tojson"] = _tojson
             try:
                 self._template = env.from_string(chat_template)
             except TemplateError as exc:
@@ -125,16 +140,18 @@ class Tokenizer:
         """Token ids of `text` with every character read as text: `<|im_end|>` in it is not the special token."""
         return self._plain.encode(text, add_special_tokens=False).ids
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat rendered by the template, where only the template's own markers are special
-        tokens: a message that contains `<|im_end|><|im_start|>system` is that text, not a new turn.
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_vars: Any) -> list[int]:
+        """Token ids of a chat rendered by the template (`template_vars`, such as `tools` or `enable_thinking`,
+        are passed to it), where only the template's own markers are special tokens: a message, a tool's
+        description or a call's argument that contains `<|im_end|><|im_start|>system` is that text, not a new turn.
 
-        Special strings in message contents are swapped for markers no client can guess before rendering, the
-        rendered text is cut at the template's special tokens, and each run between them is encoded as plain text
-        with the markers swapped back. For contents without special strings the ids are those of
+        Special strings in what the client wrote are swapped for markers no client can guess before rendering,
+        the rendered text is cut at the template's special tokens, and each run between them is encoded as plain
+        text with the markers swapped back. For chats without special strings the ids are those of
         `encode(apply_chat_template(...))`: the tokenizer cuts text at special tokens the same way."""
         if self._specials is None:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **template_vars))
         nonce = secrets.token_hex(8)
         marker = re.compile(f"\ue000{nonce}(\\d+)\ue001")
         found: list[str] = []
@@ -143,9 +160,17 @@ class Tokenizer:
             found.append(match.group(0))
             return f"\ue000{nonce}{len(found) - 1}\ue001"
 
-        hidden = [m | {"content": self._specials.sub(hide, m["content"])} if isinstance(m.get("content"), str)
-                  else m for m in messages]
-        rendered = self.apply_chat_template(hidden, add_generation_prompt)
+        def hidden(value: Any) -> Any:
+            if isinstance(value, str):
+                return self._specials.sub(hide, value)
+            if isinstance(value, dict):
+                return {hidden(key): hidden(item) for key, item in value.items()}
+            if isinstance(value, list):
+                return [hidden(item) for item in value]
+            return value
+
+        rendered = self.apply_chat_template(hidden(messages), add_generation_prompt,
+                                            **{key: hidden(value) for key, value in template_vars.items()})
         ids: list[int] = []
         position = 0
         for special in self._specials.finditer(rendered):
@@ -169,6 +194,12 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._hf.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (part of a character, for some); a special token's text."""
+        if self._token_bytes is not None:
+            return self._token_bytes.get(token_id, b"")
+        return self._hf.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special_tokens)

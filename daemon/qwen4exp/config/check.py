@@ -40,8 +40,12 @@ def _check_model(settings: Settings, source: str) -> None:
     from ..checkpoint.errors import CheckpointError
     from ..checkpoint.gguf_file import GGUFCheckpoint, is_gguf
     from ..checkpoint.loader import checkpoint_files, read_config
+    from ..model_dir import hub_id
 
-    path = Path(settings.model)
+    found = hub_id(settings.model)
+    path = Path(settings.model) if found is None else _hub_model_path(found, settings.model, source)
+    if path is None:
+        return                                  # a Hugging Face id still to be downloaded: warned
     if is_gguf(path):
         try:
             checkpoint = GGUFCheckpoint(path)
@@ -59,6 +63,28 @@ def _check_model(settings: Settings, source: str) -> None:
         checkpoint_files(path)
     except CheckpointError as err:
         raise ConfigError(f"{source}: model = {str(path)!r} is not a usable checkpoint: {err}") from None
+
+
+def _hub_model_path(found, model: str, source: str) -> Path | None:
+    """A Hugging Face id's path in the cache when every file it needs is there (then checked like any path), else
+    None with a warning (serve downloads them). The Hub is asked for the repo's listing, so a wrong id or quant or a
+    gated repo fails here, but not for the files."""
+    from ..hub import HubError, locate
+
+    try:
+        located = locate(found)
+    except HubError as err:
+        raise ConfigError(f"{source}: model = {model!r}: {err}") from None
+    missing = located.missing
+    if not missing:
+        return located.path
+    size = located.size_of(missing)
+    what = (f"{model!r}: {len(missing)} of its files{'' if size is None else f' ({size / 2**30:.1f} GiB)'} are not "
+            f"in the Hugging Face cache at {located.cache}")
+    if located.cache_only:
+        raise ConfigError(f"{source}: model = {what}, and {located.cache_only}")
+    warnings.warn(f"{source}: model = {what} yet; serve downloads them when it starts", ConfigWarning, stacklevel=3)
+    return None
 
 
 def _device_warnings(settings: Settings) -> list[str]:

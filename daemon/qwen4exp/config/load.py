@@ -150,9 +150,12 @@ def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
 
 def _with_absolute_model(data: dict[str, Any], base: Path) -> dict[str, Any]:
     """A relative model path is relative to the profile that says it (or to the working directory for the
-    environment and command line), so a daemon started by systemd from / finds the same directory."""
+    environment and command line), so a daemon started by systemd from / finds the same directory. A Hugging Face
+    id (`org/repo`, when nothing of that name exists there) stays as written."""
+    from ..model_dir import hub_id
+
     model = data.get("model")
     if isinstance(model, str) and model.strip() not in ("", "tiny") and not model.startswith("~") \
-            and not Path(model).is_absolute():
+            and not Path(model).is_absolute() and hub_id(model.strip(), base) is None:
         return {**data, "model": str(base / model)}
     return data

@@ -115,6 +115,10 @@ class Device(_Table):
     memory_limit: OptionalSize = _field(
         None, "a size like '30GiB', or 'none'",
         "Cap on what qwen4exp allocates on this device; overrides `device_memory_limit` for it.")
+    memory: OptionalSize = _field(
+        None, "a size like '32GiB', or 'none'",
+        "This device's total memory, for `qwen4exp plan --estimate` on a box that is not this one; serving measures "
+        "the device instead.")
 
     @property
     def kind(self) -> str:
@@ -167,8 +171,9 @@ class Settings(BaseSettings):
                                       extra="forbid", frozen=True)
 
     description: str = _field("", "a string", "One line shown by `qwen4exp profiles`.")
-    model: str = _field("tiny", "a checkpoint directory or 'tiny'",
-                        "Checkpoint directory (published layout), or `tiny`: the embedded random-weight model.",
+    model: str = _field("tiny", "a checkpoint directory, a .gguf file, a Hugging Face id (org/repo[:QUANT]) or 'tiny'",
+                        "Checkpoint directory (published layout), GGUF file, Hugging Face id (`org/repo`, "
+                        "`org/repo:QUANT`), or `tiny`: the embedded model.",
                         min_length=1)
     devices: tuple[Device, ...] = _field(
         (Device(name="cpu", role=("target",)),), "a list of [[devices]] tables", "The devices and their roles.")
@@ -192,6 +197,10 @@ class Settings(BaseSettings):
         None, "a size like '120GiB', or 'none'", "Cap on what qwen4exp allocates on each device it uses.")
     park_after_idle: Seconds = _field(None, "seconds, a duration like '30m', or 'never'",
                                       "Park (free the GPUs) after this long without requests.")
+    park_level: Annotated[Literal["release", "offload"], BeforeValidator(_lower)] = _field(
+        "release", "'release' or 'offload'",
+        "What a park keeps: `release` frees the weights (unpark reads the checkpoint again); `offload` keeps them in "
+        "pinned system memory (unpark copies them back at the link's speed; needs that much free system memory).")
     # Off by default: an operator's /park (to lend the GPU) must not be undone by the next client.
     wake_on_request: bool = _field(False, "true or false", "A request to a parked daemon unparks it (else 503).")
     log_level: Annotated[Literal["debug", "info", "warning", "error"], BeforeValidator(_lower)] = _field(

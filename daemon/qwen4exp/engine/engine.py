@@ -23,7 +23,7 @@ from .engine_config import EngineConfig
 from .memory import release_cached_blocks, run_with_oom_retry
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .prefix_cache import PrefixCache
-from .request import FinishReason, QueueFull, Request, RequestRejected
+from .request import MAX_TOP_LOGPROBS, FinishReason, PositionLogprobs, QueueFull, Request, RequestRejected
 from .sampling import Sampler
 from .slots import Slot, SlotPool
 from .stops import StopMatcher
@@ -41,6 +41,15 @@ def _ids_in_range(ids, vocab: int) -> bool:
     except (TypeError, OverflowError):
         return False
     return bool(values.min() >= 0 and values.max() < vocab)
+
+
+def _position_logprobs(logits: torch.Tensor, token: int, top: int) -> PositionLogprobs:
+    """The chosen token's log-probability and the `top` most likely tokens', from a position's raw logits."""
+    logprobs = torch.log_softmax(logits.detach().float(), dim=-1)
+    values, ids = torch.topk(logprobs, top)
+    chosen = float(logprobs[token])
+    ranked = sorted(zip(ids.tolist(), values.tolist()), key=lambda pair: (-pair[1], pair[0]))
+    return PositionLogprobs(token, chosen, tuple(ranked))
 
 
 class Engine:
@@ -125,6 +134,8 @@ class Engine:
             raise RequestRejected("the prompt has no tokens")
         if request.max_tokens < 1:
             raise RequestRejected(f"max_tokens must be >= 1, got {request.max_tokens}")
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestRejected(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {request.logprobs}")
         if not _ids_in_range(request.prompt_ids, vocab):
             bad = [t for t in request.prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
             raise RequestRejected(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
@@ -230,7 +241,7 @@ class Engine:
                 slot.stops = StopMatcher(list(request.stop))
         request.started_at = time.perf_counter()
         if restored_logits is not None:       # the whole prompt was cached: its first token needs no forward
-            self._accept(slot, slot.sampler(restored_logits))
+            self._accept(slot, slot.sampler(restored_logits), restored_logits)
 
     # ---- run --------------------------------------------------------------------------------------
     def _prefill_one_chunk(self) -> None:
@@ -259,7 +270,7 @@ class Engine:
             if self.prefix_cache is not None and end % self.restore_spacing == 0:
                 self._capture(slot, request.prompt_ids[:end], logits)
             if end == len(request.prompt_ids):
-                self._accept(slot, slot.sampler(logits))
+                self._accept(slot, slot.sampler(logits), logits)
                 del logits
                 # The prompt's chunk temporaries go back to the device once the prompt is done; between its
                 # chunks the allocator keeps them for the next chunk, which needs the same blocks (emptying
@@ -309,17 +320,20 @@ class Engine:
                     token = sampler.take(argmax[slot.index])
                 else:
                     token = sampler(logits[slot.index])
-                self._accept(slot, token)
+                self._accept(slot, token, logits[slot.index])
             except Exception as err:  # noqa: BLE001
                 log.exception("sampling failed for %s", slot.request.id)
                 self._finish(slot, slot.request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
 
     # ---- postprocess ------------------------------------------------------------------------------
-    def _accept(self, slot: Slot, token: int) -> None:
+    def _accept(self, slot: Slot, token: int, logits: torch.Tensor) -> None:
+        """Take `token`, chosen from `logits` (the position's row), for the slot's request."""
         request = slot.request
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         request.output_ids.append(token)
+        if request.logprobs is not None:
+            request.output_logprobs.append(_position_logprobs(logits, token, request.logprobs))
         delta, stopped = "", token in request.stop_token_ids
         if slot.detokenizer is not None and not stopped:
             delta = slot.detokenizer.push(token)

@@ -147,6 +147,19 @@ class EngineConfig:
             table.to(device)
         return choice
 
+    def with_ple_where_it_is(self, model) -> "EngineConfig":
+        """This config with `ple = "auto"` replaced by where the model's quantized PLE table is now. A context
+        fitted with the table in host memory counts on it staying there: a later load (an unpark, a restarted
+        worker) keeps the fitted context without fitting again, so it must put the table where the fit found it."""
+        from dataclasses import replace
+
+        from .loading import quantized_ple_tables
+
+        tables = quantized_ple_tables(model)
+        if self.ple != "auto" or not tables:
+            return self
+        return replace(self, ple="host" if all(table.host for table in tables) else "device")
+
     def new_prefix_cache(self, model, device):
         """A prefix cache for this engine (it outlives an engine: a park keeps it), or None when it is off."""
         if not self.prefix_cache:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 _ids = itertools.count(1)
 
@@ -18,6 +18,19 @@ class FinishReason(str, Enum):
     LENGTH = "length"        # max_tokens reached
     CANCELLED = "cancelled"
     ERROR = "error"
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """An output position's log-probabilities under the model's own distribution (the raw logits' log-softmax,
+    before temperature and penalties, as OpenAI and vLLM report them): the chosen token's, and the `top` most
+    likely tokens' as (id, logprob), most likely first (ties: lower id first)."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 class RequestRejected(ValueError):
@@ -35,6 +48,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()                       # stop strings (need the engine's tokenizer)
+    logprobs: int | None = None                      # None: none; k: the chosen token's and the k most likely
     # Called on the engine's thread: on_token(request, token_id, text_delta), on_finish(request).
     on_token: Callable[["Request", int, str], None] | None = None
     on_finish: Callable[["Request"], None] | None = None
@@ -42,6 +56,7 @@ class Request:
 
     # Filled in by the engine.
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[PositionLogprobs] = field(default_factory=list)   # one per output id, when asked
     cached_tokens: int = 0                           # prompt tokens restored from the prefix cache
     slot: int | None = None                          # the slot that served it
     text: str = ""

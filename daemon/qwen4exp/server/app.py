@@ -13,8 +13,8 @@ from ..engine.engine_config import EngineConfig
 from . import generate_api, openai_api
 from .connections import ConnectionGuard
 from .errors import ApiError, EngineUnavailable, error_middleware, parse_json, read_body
-from .messages import EngineState
-from .metrics import render_metrics
+from .messages import EngineState, ParkLevel
+from .metrics import CONTENT_TYPE, render_metrics
 from .openapi import openapi
 from .prepare import Preparer
 from .shared import ENGINE_CONFIG, GUARD, OPTIONS, PREPARER, STARTED, SUPERVISOR, ServerOptions
@@ -96,8 +96,8 @@ async def props(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     supervisor = request.app[SUPERVISOR]
     stats = await supervisor.stats()
-    return web.Response(text=render_metrics(supervisor, stats, request.app[GUARD]), content_type="text/plain",
-                        charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
+    return web.Response(text=render_metrics(supervisor, stats, request.app[GUARD]),
+                        headers={"Content-Type": CONTENT_TYPE, "X-Content-Type-Options": "nosniff"})
 
 
 async def park(request: web.Request) -> web.Response:
@@ -105,12 +105,16 @@ async def park(request: web.Request) -> web.Response:
     mode = body.get("mode", "wait")
     if mode not in ("wait", "abort"):
         raise ApiError(400, f"'mode' must be \"wait\" or \"abort\", got {mode!r}", param="mode")
+    level = body.get("level", request.app[OPTIONS].park_level)
+    if level not in {str(choice) for choice in ParkLevel}:
+        raise ApiError(400, f"'level' must be \"release\" or \"offload\", got {level!r}", param="level")
     started = time.perf_counter()
-    info = await request.app[SUPERVISOR].park(mode)
+    info = await request.app[SUPERVISOR].park(mode, ParkLevel(level))
     if info.get("already"):
         return web.json_response({"parked": True, "already": True, "context": info["context"]})
     return web.json_response({"parked": True, "mode": mode, "seconds": round(time.perf_counter() - started, 3),
-                              "bytes_freed": info["bytes_freed"], "context": info["context"]})
+                              **{key: info[key] for key in ("bytes_freed", "context", "level", "host_bytes_kept",
+                                                           "device_bytes_in_use")}})
 
 
 async def unpark(request: web.Request) -> web.Response:
@@ -119,7 +123,7 @@ async def unpark(request: web.Request) -> web.Response:
     if info.get("already"):
         return web.json_response({"parked": False, "already": True, "context": info["context"]})
     return web.json_response({"parked": False, "seconds": round(time.perf_counter() - started, 3),
-                              "context": info["context"]})
+                              "context": info["context"], "weights_from": info.get("weights_from", "checkpoint")})
 
 
 def create_app(engine: EngineConfig, options: ServerOptions) -> web.Application:
@@ -130,7 +134,7 @@ def create_app(engine: EngineConfig, options: ServerOptions) -> web.Application:
                           client_max_size=options.max_body_bytes)
     app[OPTIONS], app[ENGINE_CONFIG], app[STARTED], app[GUARD] = options, engine, time.time(), guard
     app[PREPARER] = Preparer(engine.model, options.default_max_tokens)
-    app[SUPERVISOR] = Supervisor(engine)
+    app[SUPERVISOR] = Supervisor(engine, model_name=options.model_name)
     app.router.add_get("/health", health)
     app.router.add_get("/props", props)
     app.router.add_get("/metrics", metrics)
@@ -147,7 +151,8 @@ async def _engine_lifecycle(app: web.Application):
     supervisor = app[SUPERVISOR]
     await asyncio.gather(supervisor.start(), app[PREPARER].start())
     idle = app[OPTIONS].park_after_idle
-    watcher = asyncio.ensure_future(_park_when_idle(supervisor, idle)) if idle else None
+    watcher = asyncio.ensure_future(_park_when_idle(supervisor, idle, ParkLevel(app[OPTIONS].park_level))) \
+        if idle else None
     yield
     if watcher is not None:
         watcher.cancel()
@@ -155,13 +160,13 @@ async def _engine_lifecycle(app: web.Application):
     await supervisor.stop()
 
 
-async def _park_when_idle(supervisor: Supervisor, seconds: float) -> None:
-    """Park after `seconds` with no request in flight (the profile's park_after_idle)."""
+async def _park_when_idle(supervisor: Supervisor, seconds: float, level: ParkLevel) -> None:
+    """Park after `seconds` with no request in flight (the profile's park_after_idle), at the profile's level."""
     while True:
         await asyncio.sleep(min(seconds, 5.0))
         if supervisor.state is EngineState.READY and not supervisor.in_flight and \
                 time.monotonic() - supervisor.last_activity >= seconds:
             try:
-                await supervisor.park()
+                await supervisor.park(level=level)
             except EngineUnavailable as err:       # e.g. the worker is restarting: try again later
                 log.warning("the idle park did not happen: %s", err)

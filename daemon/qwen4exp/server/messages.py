@@ -36,9 +36,17 @@ class Cancel:
     id: str
 
 
+class ParkLevel(str, Enum):
+    RELEASE = "release"      # the model is freed; unpark reads the checkpoint again
+    OFFLOAD = "offload"      # the weights go to pinned host memory; unpark copies them back
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Park:
-    pass
+    level: ParkLevel = ParkLevel.RELEASE
 
 
 @dataclass(frozen=True)
@@ -70,10 +78,20 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """An output token's log-probability and the most likely tokens' at its position (most likely first), each
+    token as its bytes: a token can hold part of a character."""
+    token: bytes
+    logprob: float
+    top: tuple[tuple[bytes, float], ...]
+
+
+@dataclass(frozen=True)
 class Token:
     id: str
     token: int
     text: str             # the text this token completed (may be empty: a character split across tokens)
+    logprobs: TokenLogprobs | None = None      # when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,7 @@ class Result:
     prompt_tokens: int
     cached_tokens: int
     timings: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprobs] | None = None   # one per output id, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -113,6 +132,9 @@ class Parked:
     seconds: float
     bytes_freed: int | None
     context: int | None
+    level: ParkLevel = ParkLevel.RELEASE
+    host_bytes_kept: int = 0               # the weights kept in pinned host memory (level offload)
+    device_bytes_in_use: int | None = None   # what the driver reports in use on the device after the park
 
 
 @dataclass(frozen=True)

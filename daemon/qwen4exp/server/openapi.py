@@ -37,15 +37,35 @@ def document() -> dict:
         "prompt_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
         "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}}, **_SAMPLING}}
     completion = {"type": "object", "required": ["prompt"], "properties": {
-        "model": {"type": "string"}, "prompt": {"type": "string", "minLength": 1}, **_SAMPLING}}
+        "model": {"type": "string"}, "prompt": {"type": "string", "minLength": 1},
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, **_SAMPLING}}
+    tool = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}, "description": {"type": "string"},
+            "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}}}
+    call = {"type": "object", "required": ["id", "type", "function"], "properties": {
+        "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string"}}}}}
     chat = {"type": "object", "required": ["messages"], "properties": {
         "model": {"type": "string"}, "max_completion_tokens": {"type": "integer", "minimum": 1},
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"], "properties": {
                 "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-                "content": {"type": "string"}}}},
+                "content": {"type": "string", "nullable": True}, "tool_calls": {"type": "array", "items": call},
+                "tool_call_id": {"type": "string"}, "reasoning_content": {"type": "string"}}}},
+        "tools": {"type": "array", "items": tool},
+        "tool_choice": {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {
+            "type": "object", "required": ["type", "function"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]},
+        "parallel_tool_calls": {"type": "boolean"}, "chat_template_kwargs": {"type": "object"},
+        "reasoning_effort": {"type": "string", "enum": ["none", "minimal", "low", "medium", "high"]},
+        "logprobs": {"type": "boolean"}, "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
         **_SAMPLING}}
-    park = {"type": "object", "properties": {"mode": {"type": "string", "enum": ["wait", "abort"]}}}
+    park = {"type": "object", "properties": {"mode": {"type": "string", "enum": ["wait", "abort"]},
+                                             "level": {"type": "string", "enum": ["release", "offload"]}}}
     return {
         "openapi": "3.0.3",
         "info": {"title": "qwen4exp", "version": "0.1.0",

@@ -17,6 +17,8 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
+from ..engine.request import MAX_TOP_LOGPROBS
+from .chat_prompt import ChatReading, chat_prompt
 from .errors import ApiError, parse_json
 from .request_fields import SAMPLING_FIELDS, check_known, engine_fields, plain_text, token_ids
 
@@ -28,11 +30,9 @@ GENERATE_FIELDS = {"prompt", "prompt_ids", "max_tokens", "stream", "stop", "stop
 OPENAI_COMMON = {"model", "max_tokens", "stream", "stop", "user", "n", "stream_options", "logprobs", "ignore_eos",
                  "stop_token_ids", *SAMPLING_FIELDS}
 COMPLETION_FIELDS = OPENAI_COMMON | {"prompt", "echo", "suffix", "best_of"}
-CHAT_FIELDS = OPENAI_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
+CHAT_FIELDS = OPENAI_COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                               "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort"}
 PATHS = {"generate": "/generate", "completion": "/v1/completions", "chat": "/v1/chat/completions"}
-MESSAGE_KEYS = {"role", "content", "name", "tool_call_id"}
-# OpenAI's `developer` role is the system message of newer models; templates know `system`.
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class Prepared:
     fields: dict
     stream: bool = False
     include_usage: bool = False
+    chat: ChatReading | None = None        # how a chat's answer is read (reasoning, tool calls)
 
 
 # ---- in the pool's processes -----------------------------------------------------------------------
@@ -59,6 +60,7 @@ def prepare_body(endpoint: str, raw: bytes, context: int | None) -> Prepared:
     the field. `context` (when known) refuses a prompt that cannot fit before its ids leave this process."""
     tokenizer = _TOKENIZER
     body = parse_json(raw)
+    chat = None
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream")
@@ -70,17 +72,19 @@ def prepare_body(endpoint: str, raw: bytes, context: int | None) -> Prepared:
         _check_unsupported(body)
         include_usage = _include_usage(body)
         if endpoint == "chat":
-            prompt_ids = tokenizer.encode_chat(_messages(body), add_generation_prompt=True)
+            prompt_ids, chat = chat_prompt(body, tokenizer)
             key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         else:
             prompt_ids, key = _completion_prompt(body, tokenizer), "max_tokens"
     fields = engine_fields(body, prompt_ids, tokenizer.eos_token_ids, key, _DEFAULT_MAX_TOKENS)
+    if endpoint != "generate":
+        fields["logprobs"] = _logprobs(body, endpoint)
     n, wanted = len(prompt_ids), fields["max_tokens"]
     if context is not None and n + wanted > context:
         raise ApiError(400, f"prompt of {n} tokens + {key} {wanted} = {n + wanted} exceeds the context of {context} "
                        "tokens", param=key)
     fields["prompt_ids"] = array("q", prompt_ids)
-    return Prepared(fields, stream, include_usage)
+    return Prepared(fields, stream, include_usage, chat)
 
 
 def _generate_prompt(body: dict, tokenizer) -> list[int]:
@@ -103,10 +107,6 @@ def _completion_prompt(body: dict, tokenizer) -> list[int]:
 def _check_unsupported(body: dict) -> None:
     if body.get("n", 1) != 1:
         raise ApiError(400, "only n = 1 is supported", param="n")
-    if body.get("logprobs") not in (None, False, 0):
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
-    if body.get("top_logprobs") is not None:
-        raise ApiError(400, "top_logprobs is not supported (logprobs are not returned)", param="top_logprobs")
     for key in ("echo", "suffix"):
         if body.get(key):
             raise ApiError(400, f"'{key}' is not supported", param=key)
@@ -115,6 +115,29 @@ def _check_unsupported(body: dict) -> None:
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
         raise ApiError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
+
+
+def _logprobs(body: dict, endpoint: str) -> int | None:
+    """How many alternatives each output position reports, None for no log-probabilities. Chat asks with
+    `logprobs: true` and `top_logprobs: k`; completions with `logprobs: k`."""
+    logprobs = body.get("logprobs")
+    if endpoint == "completion":
+        if logprobs is None:
+            return None
+        if not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}] (the alternatives reported "
+                           f"for each token), got {logprobs!r}", param="logprobs")
+        return logprobs
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ApiError(400, f"'logprobs' must be a boolean, got {logprobs!r}", param="logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+                           param="top_logprobs")
+        if not logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if logprobs else None
 
 
 def _include_usage(body: dict) -> bool:
@@ -132,44 +155,6 @@ def _include_usage(body: dict) -> bool:
     if not isinstance(include, bool):
         raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
     return include
-
-
-def _messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    clean = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ApiError(400, f"{where} must be an object", param="messages")
-        role = m.get("role")
-        if role not in ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
-        unknown = sorted(set(m) - MESSAGE_KEYS)
-        if unknown:
-            hint = " (tool calls are not supported yet)" if "tool_calls" in unknown else ""
-            raise ApiError(400, f"{where} has unknown key(s) {', '.join(unknown)}{hint}; accepted: "
-                           f"{', '.join(sorted(MESSAGE_KEYS))}", param="messages")
-        clean.append({"role": ROLES[role], "content": _content(m.get("content"), role, where)})
-    return clean
-
-
-def _content(content, role: str, where: str) -> str:
-    """A message's text: a string, or OpenAI's list of parts (text parts only); null for an assistant turn."""
-    if content is None and role == "assistant":
-        return ""
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"{where}.content[{j}] must be a text part {{\"type\": \"text\", \"text\": "
-                               "\"...\"}} (this model reads text only)", param="messages")
-            parts.append(plain_text(part["text"], f"{where}.content[{j}].text", empty_ok=True))
-        return "".join(parts)
-    if not isinstance(content, str):
-        raise ApiError(400, f"{where}.content must be a string or a list of text parts", param="messages")
-    return plain_text(content, f"{where}.content", empty_ok=True)
 
 
 # ---- in the event loop's process --------------------------------------------------------------------

@@ -23,6 +23,7 @@ class ServerOptions:
     max_body_bytes: int = 8 << 20
     wake_on_request: bool = False
     park_after_idle: float | None = None      # seconds without requests before an automatic park
+    park_level: str = "release"               # what a park keeps: "release" nothing, "offload" the weights
     default_max_tokens: int = 256
     request_timeout: float | None = 600.0     # queue + prefill + decode of one request
     header_timeout: float = 10.0              # a connection's request headers, and its idle time between requests
@@ -39,7 +40,8 @@ class ServerOptions:
         name = settings.model if settings.model == "tiny" else settings.model.rstrip("/").rsplit("/", 1)[-1]
         return cls(model_name=name, api_key=secret(server.api_key), admin_key=secret(server.admin_key),
                    max_body_bytes=server.max_body_bytes, wake_on_request=settings.wake_on_request,
-                   park_after_idle=settings.park_after_idle, request_timeout=server.request_timeout,
+                   park_after_idle=settings.park_after_idle, park_level=settings.park_level,
+                   request_timeout=server.request_timeout,
                    header_timeout=server.header_timeout, body_timeout=server.body_timeout,
                    max_connections=server.max_connections)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -22,8 +23,9 @@ from dataclasses import dataclass, field
 
 from ..engine.engine_config import EngineConfig
 from .errors import EngineUnavailable
-from .messages import (Cancel, EngineState, Failed, Finished, Park, Parked, Ready, Rejected, Stats, StatsQuery,
-                       Stop, Submit, Token, Unpark, Unparked)
+from .messages import (Cancel, EngineState, Failed, Finished, Park, Parked, ParkLevel, Ready, Rejected, Stats,
+                       StatsQuery, Stop, Submit, Token, Unpark, Unparked)
+from .metrics import RequestMetrics
 from .worker import worker_main
 
 log = logging.getLogger("qwen4exp.supervisor")
@@ -40,10 +42,15 @@ class Stream:
     """One request's events as they arrive: Token ... then Finished, or Rejected, or Lost."""
     id: str
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # For /metrics (server/metrics.py): when the supervisor sent it and got its latest token (perf_counter).
+    submitted_at: float = 0.0
+    last_token_at: float | None = None
+    prompt_tokens: int = 0
+    max_tokens: int | None = None
 
 
 class Supervisor:
-    def __init__(self, config: EngineConfig, restart_delay: float = 1.0):
+    def __init__(self, config: EngineConfig, restart_delay: float = 1.0, model_name: str = "qwen4exp"):
         self.config = config
         self.state = EngineState.LOADING
         self.error: str | None = None
@@ -52,6 +59,8 @@ class Supervisor:
         self.restarts = 0
         self.last_activity = time.monotonic()
         self.counters = {"generated_tokens": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0, "requests": 0}
+        # vLLM's metrics, labelled with the served model name (`model_name`), in this app's own registry.
+        self.metrics = RequestMetrics(model_name, prefix_cache=bool(config.prefix_cache))
         self._ctx = multiprocessing.get_context("spawn")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, Stream] = {}
@@ -125,18 +134,25 @@ class Supervisor:
             self.counters["generated_tokens"] += 1
             stream = self._streams.get(message.id)
             if stream is not None:
+                self.metrics.token(stream, time.perf_counter())
                 stream.queue.put_nowait(message)
         elif isinstance(message, (Finished, Rejected)):
+            stream = self._streams.pop(message.id, None)
             if isinstance(message, Finished):
                 self.counters["requests"] += 1
                 self.counters["prompt_tokens"] += message.result.prompt_tokens
                 self.counters["cached_prompt_tokens"] += message.result.cached_tokens
-            stream = self._streams.pop(message.id, None)
+                if stream is not None:
+                    self.metrics.finished(stream, message.result, time.perf_counter())
             if stream is not None:
                 stream.queue.put_nowait(message)
         elif isinstance(message, Ready):
             self.info = message.info
             self.fitted_context = self.info["context"]
+            if self.config.ple == "auto" and self.info.get("ple") in ("host", "device"):
+                # Where the fit put the PLE table: a restarted worker keeps the context, so the table too.
+                self.config = dataclasses.replace(self.config, ple=self.info["ple"])
+            self.metrics.set_context(self.fitted_context)
             self.state, self.error = EngineState.READY, None
             if not self._ready.done():
                 self._ready.set_result(self.info)
@@ -185,8 +201,10 @@ class Supervisor:
         if self.state is not EngineState.READY:
             raise EngineUnavailable(f"the engine is {self.state}" + (f": {self.error}" if self.error else ""))
         self.last_activity = time.monotonic()
-        stream = Stream(f"r{next(self._ids)}")
+        stream = Stream(f"r{next(self._ids)}", prompt_tokens=len(fields.get("prompt_ids", ())),
+                        max_tokens=fields.get("max_tokens"))
         self._streams[stream.id] = stream
+        stream.submitted_at = time.perf_counter()
         self._send(Submit(stream.id, fields))
         return stream
 
@@ -209,12 +227,13 @@ class Supervisor:
             return {}
         return (await self._call(StatsQuery(), Stats, timeout=10)).info
 
-    async def park(self, mode: str = "wait") -> dict:
+    async def park(self, mode: str = "wait", level: ParkLevel = ParkLevel.RELEASE) -> dict:
         """Free the GPU: "wait" lets the requests in flight finish (new ones get 503 meanwhile), "abort" cancels
-        them. Runs to its end even if the caller goes away, so the state always says what the worker did."""
-        return await asyncio.shield(asyncio.ensure_future(self._park(mode)))
+        them; `level` says whether the weights are kept in host memory for a fast unpark. Runs to its end even if
+        the caller goes away, so the state always says what the worker did."""
+        return await asyncio.shield(asyncio.ensure_future(self._park(mode, level)))
 
-    async def _park(self, mode: str) -> dict:
+    async def _park(self, mode: str, level: ParkLevel) -> dict:
         async with self._transition:
             if self.state is EngineState.PARKED:
                 return {"already": True, "bytes_freed": 0, "context": self.fitted_context}
@@ -224,14 +243,16 @@ class Supervisor:
             try:
                 while mode == "wait" and self._streams and self._conn is not None:
                     await asyncio.sleep(0.02)
-                parked = await self._call(Park(), Parked)
-                info = {"bytes_freed": parked.bytes_freed, "context": parked.context}
+                parked = await self._call(Park(level), Parked)
+                info = {"bytes_freed": parked.bytes_freed, "context": parked.context, "level": str(parked.level),
+                        "host_bytes_kept": parked.host_bytes_kept, "device_bytes_in_use": parked.device_bytes_in_use}
             except EngineUnavailable:
                 if self._conn is not None:
                     self.state = EngineState.READY
                     raise
                 # The worker died on the way: nothing holds the GPU, which is what a park is for.
-                info = {"bytes_freed": None, "context": self.fitted_context}
+                info = {"bytes_freed": None, "context": self.fitted_context, "level": str(ParkLevel.RELEASE),
+                        "host_bytes_kept": 0, "device_bytes_in_use": None}
             except BaseException:
                 if self.state is EngineState.PARKING:
                     self.state = EngineState.READY

@@ -12,8 +12,8 @@ import time
 import traceback
 
 from ..engine.engine_config import EngineConfig
-from .messages import (Cancel, Failed, Finished, Park, Parked, Ready, RejectReason, Rejected, Result, Stats,
-                       StatsQuery, Stop, Submit, Token, Unpark, Unparked)
+from .messages import (Cancel, Failed, Finished, Park, Parked, ParkLevel, Ready, RejectReason, Rejected, Result,
+                       Stats, StatsQuery, Stop, Submit, Token, TokenLogprobs, Unpark, Unparked)
 
 log = logging.getLogger("qwen4exp.worker")
 
@@ -27,6 +27,7 @@ class Worker:
         self.fitted_context = fitted_context
         self.requests: dict[str, object] = {}
         self.plan = plan                 # the context fit's plan, when max_ctx is "auto"
+        self.parked_model = None         # the model, its weights in pinned host memory, while parked to "offload"
 
     def send(self, message) -> None:
         with self.send_lock:
@@ -39,14 +40,23 @@ class Worker:
         from ..engine.engine import Engine
         from ..tokenizer import Tokenizer
 
+        from ..engine.offload import restore
+
         started = time.perf_counter()
         config = self.config
-        device, model = config.load_model()
+        if self.parked_model is not None:
+            device, model, self.parked_model = config.torch_device(), self.parked_model, None
+            restore(model, device)
+            weights_from = "host memory"
+        else:
+            device, model = config.load_model()
+            weights_from = "checkpoint"
         # A context fitted before (by this worker before a park, or by the one before a restart) is kept: a new
         # fit could land elsewhere, and the snapshots and the clients count on the context.
         fitted_now = self.fitted_context is None and config.max_ctx == "auto"
         context = self.fitted_context or self._context(model, device)
         self.fitted_context = context
+        self.config = config = config.with_ple_where_it_is(model)
         if self.cache is None:
             self.cache = config.new_prefix_cache(model, device)
         self.engine = Engine.from_config(model, config, context=context, tokenizer=Tokenizer.from_path(config.model),
@@ -54,8 +64,9 @@ class Worker:
         # On a GPU, the kernels a prompt can launch are compiled now, not on the first requests' path.
         warm_up_seconds = self.engine.warm_up() if device.type == "cuda" else 0.0
         self.engine.start()
-        return {"context": context, "plan": self.plan, "context_fitted_now": fitted_now,
-                "load_seconds": round(time.perf_counter() - started, 3), "warm_up_seconds": round(warm_up_seconds, 3),
+        return {"context": context, "plan": self.plan, "context_fitted_now": fitted_now, "ple": config.ple,
+                "load_seconds": round(time.perf_counter() - started, 3), "weights_from": weights_from,
+                "warm_up_seconds": round(warm_up_seconds, 3),
                 "device": str(device), "vocab_size": model.config.vocab_size,
                 "gpu_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else 0}
 
@@ -67,22 +78,33 @@ class Worker:
             self.plan = choice.fit.plan.to_dict()
         return choice.context
 
-    def park(self) -> Parked:
+    def park(self, level: ParkLevel) -> Parked:
         import gc
 
         import torch
+
+        from ..engine.offload import offload
         started = time.perf_counter()
-        before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        cuda = torch.cuda.is_available()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        model = None
         if self.engine is not None:
             self.engine.stop()
             self.engine.abort_all()
-            self.engine = None
+            model, self.engine = self.engine.model, None
+        kept = 0
+        if level is ParkLevel.OFFLOAD and model is not None:
+            kept, self.parked_model = offload(model), model
+        del model
         gc.collect()
-        freed = 0
-        if torch.cuda.is_available():
+        freed, in_use = 0, None
+        if cuda:
             torch.cuda.empty_cache()
             freed = before - torch.cuda.memory_allocated()
-        return Parked(seconds=round(time.perf_counter() - started, 3), bytes_freed=freed, context=self.fitted_context)
+            free, total = torch.cuda.mem_get_info()
+            in_use = total - free
+        return Parked(seconds=round(time.perf_counter() - started, 3), bytes_freed=freed, context=self.fitted_context,
+                      level=level, host_bytes_kept=kept, device_bytes_in_use=in_use)
 
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, request_id: str, fields: dict) -> None:
@@ -97,7 +119,8 @@ class Worker:
                 prompt_ids=list(fields["prompt_ids"]), max_tokens=fields["max_tokens"],
                 sampling=SamplingParams.from_dict(fields.get("sampling", {})),
                 stop_token_ids=tuple(fields.get("stop_token_ids", ())), stop=tuple(fields.get("stop", ())),
-                on_token=lambda r, token, text: self.send(Token(r.id, token, text)),
+                logprobs=fields.get("logprobs"),
+                on_token=lambda r, token, text: self.send(Token(r.id, token, text, self._last_logprobs(r))),
                 on_finish=self._finished, id=request_id)
             self.requests[request_id] = request
             self.engine.submit(request)
@@ -106,19 +129,29 @@ class Worker:
             reason = RejectReason.QUEUE_FULL if isinstance(err, QueueFull) else RejectReason.INVALID
             self.send(Rejected(request_id, reason, str(err)))
 
+    def _token_logprobs(self, position) -> TokenLogprobs:
+        as_bytes = self.engine.tokenizer.token_bytes
+        return TokenLogprobs(as_bytes(position.token), position.logprob,
+                             tuple((as_bytes(token), logprob) for token, logprob in position.top))
+
+    def _last_logprobs(self, request) -> TokenLogprobs | None:
+        return None if request.logprobs is None else self._token_logprobs(request.output_logprobs[-1])
+
     def _finished(self, request) -> None:
         self.requests.pop(request.id, None)
+        logprobs = None if request.logprobs is None else [self._token_logprobs(p) for p in request.output_logprobs]
         self.send(Finished(request.id, Result(
             finish_reason=request.finish_reason.value, error=request.error, text=request.text,
             output_ids=request.output_ids, prompt_tokens=len(request.prompt_ids),
-            cached_tokens=request.cached_tokens, timings=request.timings())))
+            cached_tokens=request.cached_tokens, timings=request.timings(), logprobs=logprobs)))
 
     def stats(self) -> dict:
         engine = self.engine
         info = {"parked": engine is None, "context": self.fitted_context, "in_flight": len(self.requests)}
         if engine is not None:
-            info.update(busy_slots=len(engine.pool.busy()), slots=len(engine.pool.slots),
-                        queued=engine.queued, chunk=engine.chunk)
+            busy = engine.pool.busy()
+            info.update(busy_slots=len(busy), slots=len(engine.pool.slots), queued=engine.queued, chunk=engine.chunk,
+                        used_positions=sum(slot.state.length for slot in busy))
         if self.cache is not None:
             info["prefix_cache"] = self.cache.stats()
         info["memory"] = _memory_in_use()
@@ -142,7 +175,7 @@ class Worker:
                 if self.engine is not None:
                     self.engine.cancel(message.id)
             elif isinstance(message, Park):
-                self.send(self.park())
+                self.send(self.park(message.level))
             elif isinstance(message, Unpark):
                 self.send(Unparked(self.load() if self.engine is None else {"context": self.fitted_context}))
             elif isinstance(message, StatsQuery):

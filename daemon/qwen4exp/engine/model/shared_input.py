@@ -20,6 +20,14 @@ from torch import nn
 from .quantized import QuantizedStack
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts one after the other in one tensor, in pinned host memory when they are (a parked model's weights
+    stay pinned, so they go back to the device at the link's full speed)."""
+    pinned = parts[0].device.type == "cpu" and parts[0].is_pinned()
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    return torch.cat(parts, out=torch.empty(shape, dtype=parts[0].dtype, device=parts[0].device, pin_memory=pinned))
+
+
 class SharedInputProjections(nn.Module):
     """Base of a module whose `input_weights()` all multiply the same input. A subclass calls
     `stack_input_weights()` at the end of __init__ and `project_input(x, step)` in its forward. `input_runs` lists
@@ -41,12 +49,12 @@ class SharedInputProjections(nn.Module):
             parts = [weights[i] for i in members]
             if qtype is None:
                 with torch.no_grad():
-                    stack = self.input_stack = torch.cat([w.detach() for w in parts])
+                    stack = self.input_stack = _joined([w.detach() for w in parts])
             else:
                 with torch.device("meta"):       # its blocks are the weights' own, joined below
                     stack = QuantizedStack(qtype, (sum(w.shape[0] for w in parts), parts[0].shape[1]),
                                            parts[0].dtype)
-                stack.blocks = torch.cat([w.blocks for w in parts])
+                stack.blocks = _joined([w.blocks for w in parts])
             start = 0
             for w in parts:
                 end = start + w.shape[0]
