@@ -1,4 +1,5 @@
-"""`qwen4exp plan`: fit the context on the real device and print the budget and every probe, without serving."""
+"""`qwen4exp plan`: fit the context on the real device and print the budget and every probe, without serving; with
+`--estimate`, plan for a box that is not this one from the model's config alone (engine/fit_estimate.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from typing import Any
 def add_parser(subparsers) -> argparse.ArgumentParser:
     plan = subparsers.add_parser(
         "plan", help="measure the model on the device and print the memory plan (fitted context, budget, "
-                     "probes) without serving")
+                     "probes) without serving; --estimate plans for another box without weights or a device")
     plan.add_argument("--profile", default=None,
                       help="fit for the engine `serve` builds from a profile (model, device, dtype, slots, max_ctx, "
                            "chunk, memory limit); the flags below override it")
-    plan.add_argument("--model", default=None, help="checkpoint directory, or 'tiny' (default)")
-    plan.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default)")
+    plan.add_argument("--model", default=None, help="checkpoint directory, .gguf file, Hugging Face id "
+                      "(org/repo, org/repo:QUANT), or 'tiny' (default)")
+    plan.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default); with --estimate the "
+                      "target's kind: cuda (the default; ROCm GPUs too) or cpu")
     plan.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
                       help="weights and caches dtype (auto: bfloat16 on cuda, float32 on cpu)")
     plan.add_argument("--slots", type=int, default=None, help="slots, each at the full context (default 4)")
@@ -34,7 +37,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--headroom", type=float, default=0.1, help="fraction of capacity kept free (0.1)")
     plan.add_argument("--no-verify", action="store_true",
                       help="skip allocating every slot at the answer to check it for real")
+    plan.add_argument("--ple", choices=["auto", "device", "host"], default=None,
+                      help="where a GGUF's quantized PLE table lives (auto: host memory when that fits a longer "
+                           "context on a GPU)")
     plan.add_argument("--json", action="store_true", help="print one JSON document")
+    estimate = plan.add_argument_group(
+        "estimate", "plan for a box that is not this one: the model's config and quantization alone, no weights "
+                    "loaded, no device touched, nothing verified (docs/MEMORY.md)")
+    estimate.add_argument("--estimate", action="store_true",
+                          help="estimate instead of measuring; --model may also be a preset, bench or full")
+    estimate.add_argument("--devices", default=None, metavar="target=SIZE[,split=SIZE...]",
+                          help="each device's total memory (as torch or nvidia-smi report it), e.g. "
+                               "target=32GiB,split=128GiB; else the profile's per-device `memory`")
+    estimate.add_argument("--quant", default=None, metavar="MIX",
+                          help="a preset's or checkpoint directory's weights as a GGUF of this mix would load "
+                               "(ud-q4_k_xl, q8_0, bf16, f32, or one block type such as Q4_K); a .gguf file's "
+                               "types come from its header")
     plan.set_defaults(func=cmd_plan)
     return plan
 
@@ -94,7 +112,7 @@ def _config(args: argparse.Namespace):
     else:
         config = EngineConfig(model=str(resolve_model("tiny")), device="auto", dtype="auto", slots=4, max_ctx="auto")
     flags = {"model": None if args.model is None else str(resolve_model(args.model)), "device": args.device,
-             "dtype": args.dtype, "slots": args.slots,
+             "dtype": args.dtype, "slots": args.slots, "ple": args.ple,
              "max_ctx": None if args.max_ctx is None else _max_ctx(args.max_ctx),
              "device_memory_limit": parse_limit(args.device_memory_limit)}
     config = replace(config, **{key: value for key, value in flags.items() if value is not None})
@@ -105,6 +123,11 @@ def _config(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.estimate:
+        return cmd_estimate(args)
+    for flag in ("devices", "quant"):
+        if getattr(args, flag) is not None:
+            raise SystemExit(f"error: --{flag} is for --estimate; `plan` alone measures this box's device")
     from .engine.fit import FitError, fit_context
 
     try:
@@ -169,6 +192,149 @@ def _as_text(header: dict[str, Any], result) -> str:
     if not result.verifications:
         lines.append("- not verified (--no-verify)")
     lines += [f"- {note}" for note in result.notes]
+    return "\n".join(lines)
+
+
+# ---- --estimate ----------------------------------------------------------------------------------------------------
+def _estimate_inputs(args: argparse.Namespace) -> dict[str, Any]:
+    """--estimate's settings: the flags, else the profile's, else the defaults (4 slots, max_ctx auto, the chunk
+    profiles take on the target's kind, ple auto)."""
+    from .config.schema import AUTO_CHUNK
+    from .engine.fit_estimate import EstimateError, parse_devices, profile_devices
+
+    settings = None
+    if args.profile is not None:
+        from .config import ConfigError, load_settings
+        try:
+            settings = load_settings(args.profile)
+        except ConfigError as err:
+            raise SystemExit(f"error: {err}") from None
+    device = args.device if args.device is not None else (settings.target.kind if settings else "cuda")
+    kind = device.split(":")[0].strip().lower()
+    kind = "cuda" if kind == "auto" else kind             # another box: "the GPU when there is one"
+    if kind not in ("cuda", "cpu"):
+        raise EstimateError(f"--device {device!r}: with --estimate the target is cuda (ROCm GPUs too) or cpu")
+    limit = parse_limit(args.device_memory_limit)
+    if args.devices is not None:
+        target, splits = parse_devices(args.devices, kind, limit)
+    elif settings is not None:
+        target, splits = profile_devices(settings)
+        if limit is not None:
+            from dataclasses import replace
+            target = replace(target, limit=limit)
+    else:
+        raise EstimateError("--estimate needs each device's memory: --devices target=32GiB[,split=128GiB], or a "
+                            "--profile whose devices say `memory`")
+    dtype = args.dtype or (settings.dtype if settings else "auto")
+    if dtype == "auto":
+        dtype = "bfloat16" if kind == "cuda" else "float32"
+    if args.chunk is not None:
+        chunk = AUTO_CHUNK[kind] if args.chunk == "auto" else _chunk(args.chunk, None)
+    else:
+        chunk = settings.chunk_tokens if settings else AUTO_CHUNK[kind]
+    snapshots = None if args.snapshots in (None, "auto") else args.snapshots == "device"
+    if snapshots is None and settings is not None and settings.snapshot_device is not None:
+        snapshots = settings.snapshot_device.name == settings.target.name
+    return dict(model=args.model or (settings.model if settings else "tiny"), dtype=dtype, target=target,
+                splits=splits, slots=args.slots if args.slots is not None else (settings.slots if settings else 4),
+                max_ctx=_max_ctx(args.max_ctx) if args.max_ctx is not None else (settings.max_ctx if settings
+                                                                                  else "auto"),
+                chunk=chunk, ple=args.ple or (settings.ple if settings else "auto"), snapshots=snapshots)
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    """`plan --estimate`: the plan from the config alone; torch is used on its meta device only."""
+    from .engine.fit_estimate import EstimateError, estimate_plan, model_facts
+
+    try:
+        inputs = _estimate_inputs(args)
+        facts = model_facts(inputs["model"], args.quant, inputs["dtype"])
+        est = estimate_plan(facts, inputs["target"], inputs["splits"], slots=inputs["slots"], chunk=inputs["chunk"],
+                            ple=inputs["ple"], headroom=args.headroom, snapshots_on_device=inputs["snapshots"],
+                            max_ctx=inputs["max_ctx"])
+    except (EstimateError, ValueError) as err:
+        raise SystemExit(f"error: {err}") from None
+    print(json.dumps(estimate_json(est)) if args.json else estimate_text(est))
+    return 0
+
+
+def _fit_json(fit) -> dict[str, Any]:
+    return {"ple": fit.ple, "weights_on_target": fit.weights, "context": fit.context, "chunk": fit.chunk,
+            "error": fit.error, "workspace": [list(s) for s in fit.samples],
+            "split_layers": {name: {"first": a, "last": b, "bytes": n} for name, (a, b, n) in fit.split_layers.items()},
+            "plan": fit.plan.to_dict() if fit.plan is not None else None}
+
+
+def estimate_json(est) -> dict[str, Any]:
+    from .engine.fit_estimate import chunk_workspace
+
+    f, fit = est.facts, est.fit
+    at = fit.context if fit.context is not None else None
+    return {"estimate": True, "model": f.label, "quant": f.quant, "dtype": f.dtype, "backend": est.backend,
+            "slots": est.slots, "chunk_asked": est.chunk, "chunk_floor": est.chunk_floor, "headroom": est.headroom,
+            "snapshots": "device" if est.snapshots_on_device else "host", "ple_setting": est.ple,
+            "devices": [{"role": d.role, "name": d.name, "kind": d.kind, "total": d.total, "limit": d.limit,
+                         "reserved": d.reserved, "capacity": d.capacity} for d in (est.target, *est.splits)],
+            "components": {"weights": f.weights, "ple_table": f.ple_table, "slot_bytes_per_position": f.per_position,
+                           "slot_fixed": f.fixed, "dense_expert_stacks": f.dense_stacks,
+                           "workspace_terms_at_answer": chunk_workspace(f, est.backend, at, est.chunk_floor)
+                           if at is not None else None},
+            "context": fit.context, "chunk": fit.chunk, "ple": fit.ple, "error": fit.error,
+            "host_memory_for_ple": f.ple_table if fit.ple == "host" else 0,
+            "tried": [_fit_json(t) for t in est.tried], "plan": fit.plan.to_dict() if fit.plan is not None else None,
+            "split": None if est.split is None else {**_fit_json(est.split), "served": False,
+                                                      "tried": [_fit_json(t) for t in est.split_tried]},
+            "notes": est.notes}
+
+
+def estimate_text(est) -> str:
+    from .engine.fit_estimate import chunk_workspace
+    from .engine.memory import human_size
+
+    f, fit = est.facts, est.fit
+    where = {"device": "on the device", "host": "in host memory", "none": "not quantized: on the device"}
+    lines = [f"model={f.label} quant={f.quant} dtype={f.dtype} backend={est.backend} slots={est.slots} "
+             f"chunk={est.chunk} (floor {est.chunk_floor}) snapshots={'device' if est.snapshots_on_device else 'host'} "
+             f"ple={est.ple} headroom={est.headroom:.0%}",
+             "estimate: from the config alone; no weights loaded, no device touched, nothing verified", "",
+             f"target: {est.target.describe()}: capacity {human_size(est.target.capacity)}"]
+    if fit.context is not None:
+        lines += [f"serving: context {fit.context} a slot, prompt chunk {fit.chunk} rows, PLE table {where[fit.ple]}"
+                  + (f" ({human_size(f.ple_table)} of host memory)" if fit.ple == "host" else ""), "",
+                  fit.plan.table().rstrip()]
+    else:
+        lines.append(f"serving: no context fits: {fit.error}")
+    lines += ["", "estimated inputs:",
+              f"- weights {human_size(f.weights)}" + (f", of which the PLE table {human_size(f.ple_table)}"
+                                                       if f.ple_table else "")
+              + f"; on the target {human_size(fit.weights)}",
+              f"- one slot: {f.per_position} B/position + {human_size(f.fixed)} fixed"]
+    for position, size in fit.samples:
+        lines.append(f"- floor chunk workspace at {position}: {human_size(size)}")
+    if fit.context is not None:
+        terms = chunk_workspace(f, est.backend, fit.context, est.chunk_floor)
+        lines.append(f"- at {fit.context}: " + ", ".join(f"{k} {human_size(v)}" for k, v in terms.items()))
+    for tried in est.tried:
+        answer = f"context {tried.context}, chunk {tried.chunk}" if tried.context is not None else tried.error
+        lines.append(f"- tried: PLE table {where[tried.ple]}: {answer}")
+    lines += [f"- {note}" for note in est.notes]
+    if est.split is not None:
+        s = est.split
+        lines += ["", "split devices: NOT SERVED. The engine does not place layers on a `split` device yet (the role "
+                      "is in the profile schema, nothing in engine/ reads it); the planner's multi-device budget "
+                      "says what a split would hold, if layers were placed as follows:"]
+        for split in est.splits:
+            held = s.split_layers.get(split.name)
+            lines.append(f"- {split.describe()}: " + (f"layers {held[0]}..{held[1]} ({human_size(held[2])})" if held
+                                                      else "no whole layer fits"))
+        lines.append(f"- the target keeps {human_size(s.weights)} of weights, every slot's caches and the chunk")
+        for tried in est.split_tried:
+            answer = f"context {tried.context}, chunk {tried.chunk}" if tried.context is not None else tried.error
+            lines.append(f"- tried: PLE table {where[tried.ple]}: {answer}")
+        lines.append(f"- answer: context {s.context} a slot, prompt chunk {s.chunk} rows, PLE table {where[s.ple]}"
+                     if s.context is not None else f"- answer: no context fits: {s.error}")
+        if s.plan is not None:
+            lines += ["", s.plan.table().rstrip()]
     return "\n".join(lines)
 
 

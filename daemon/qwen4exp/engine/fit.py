@@ -103,6 +103,39 @@ def resolve_max_ctx(value: str | int, model: torch.nn.Module, **fit_kwargs) -> C
     return ContextChoice(value)
 
 
+def budget_planner(device: str, capacity: int, *, weights: int, per_position: int, fixed: int,
+                   samples: list[tuple[int, int]], slots: int, snapshots_on_device: bool, headroom: float,
+                   trained: int, step: int, floor: int, chunk_floor: int, max_chunk: int,
+                   others: tuple = ()) -> _core.Planner:
+    """The planner's budget model of one slot's measured (or estimated) bytes: `per_position` and `fixed` are one
+    slot's, `samples` the floor chunk's workspace at positions; `others` are more devices' DeviceBudgets (an
+    estimate's split devices). The one place both `fit_context` and `plan --estimate` build it."""
+    try:
+        budget = _core.DeviceBudget(
+            device, capacity, bytes_per_position=per_position * slots, weights=weights, graphs=0,
+            slot_state=fixed * slots, workspace=samples, snapshot_base=fixed if snapshots_on_device else 0,
+            snapshot_per_position=per_position if snapshots_on_device else 0, slots=slots, headroom=headroom)
+        return _core.Planner([budget, *others], trained=trained, step=step, floor=floor, floor_chunk=chunk_floor,
+                             max_chunk=max_chunk)
+    except _core.PlannerError as err:
+        raise FitError(f"bad fit settings: {err}") from None
+
+
+def settle_workspace(sample, estimate, samples: list[tuple[int, int]], floor: int, trained: int) -> _core.Plan:
+    """Sample the workspace (`sample(position)` appends to `samples`) at the floor and twice the floor, then at
+    each answer of `estimate()` until the answer is a sampled position (at most _ROUNDS): the planner's line is
+    then exact at the answer and extrapolates only past it."""
+    for position in sorted({floor, min(2 * floor, trained)}):
+        sample(position)
+    plan = estimate()
+    for _ in range(_ROUNDS):
+        if plan.context in {p for p, _ in samples}:
+            break
+        sample(plan.context)
+        plan = estimate()
+    return plan
+
+
 def fit_context(model: torch.nn.Module, *, slots: int, chunk_floor: int = 256, max_chunk: int = 8192,
                 device: torch.device | str, memory_limit: int | None = None, snapshots_on_device: bool,
                 headroom: float = 0.1, trained: int = 262144, step: int = 4096, floor: int = 4096,
@@ -152,15 +185,10 @@ def fit_context(model: torch.nn.Module, *, slots: int, chunk_floor: int = 256, m
     samples: list[tuple[int, int]] = []
 
     def planner() -> _core.Planner:
-        try:
-            budget = _core.DeviceBudget(
-                str(device), capacity, bytes_per_position=per_position * slots, weights=weights, graphs=0,
-                slot_state=fixed * slots, workspace=samples, snapshot_base=fixed if snapshots_on_device else 0,
-                snapshot_per_position=per_position if snapshots_on_device else 0, slots=slots, headroom=headroom)
-            return _core.Planner([budget], trained=trained, step=step, floor=floor, floor_chunk=chunk_floor,
-                                 max_chunk=max_chunk)
-        except _core.PlannerError as err:
-            raise FitError(f"bad fit settings: {err}") from None
+        return budget_planner(str(device), capacity, weights=weights, per_position=per_position, fixed=fixed,
+                              samples=samples, slots=slots, snapshots_on_device=snapshots_on_device,
+                              headroom=headroom, trained=trained, step=step, floor=floor, chunk_floor=chunk_floor,
+                              max_chunk=max_chunk)
 
     def estimate(when: str = "") -> _core.Plan:
         budget = planner()
@@ -183,14 +211,7 @@ def fit_context(model: torch.nn.Module, *, slots: int, chunk_floor: int = 256, m
 
     estimate(", before measuring the chunk's workspace")    # the fixed parts alone may not fit
     warm_up(model, device, chunk_floor)
-    for position in sorted({floor, min(2 * floor, trained)}):
-        sample(position)
-    plan = estimate()
-    for _ in range(_ROUNDS):
-        if plan.context in {p for p, _ in samples}:
-            break
-        sample(plan.context)
-        plan = estimate()
+    plan = settle_workspace(sample, estimate, samples, floor, trained)
     verifications: list[Verification] = []
     chunk = min(plan.chunk, plan.context)
     if verify:

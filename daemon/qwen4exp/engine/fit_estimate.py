@@ -1,0 +1,486 @@
+"""`qwen4exp plan --estimate`: the memory plan for a box that is not this one, without weights or a device.
+
+The measured fit (fit.py) measures four inputs on the device and hands them to the Rust planner. The estimate
+computes the same four from the model's config and its quantization, and runs the same search
+(fit.budget_planner, fit.settle_workspace) over them:
+
+- weights: the model built as `load_model` builds it (engine/loading.build_model: the expert stacks, tables and
+  projections a GGUF keeps quantized as QuantizedStacks) on the meta device, every parameter and buffer summed:
+  exact (the full model at UD-Q4_K_XL: 111251465240 B, as the H200 fit measured). The quantized PLE table is
+  counted apart, so `ple` = auto/device/host is decided as EngineConfig.resolve_context decides it.
+- one slot's bytes per position and fixed bytes: a SequenceState of capacity 4096 and 8192 on the meta device,
+  as fit_measure.measure_state takes them (on the CPU it reads the same nbytes; on CUDA the allocator's rise,
+  which rounds each allocation).
+- the floor chunk's workspace at a position: `chunk_workspace`, a formula over the shapes the chunk holds at
+  its peak, with one calibrated constant per backend (below; docs/MEMORY.md gives its error against every
+  measurement there is).
+- capacity: the device's total memory as given (a profile's per-device `memory`, or --devices), less what the
+  driver and the CUDA context hold on a GPU (CUDA_CONTEXT_BYTES), capped by a memory limit.
+
+Nothing is verified: there is no device. Multi-device placement (a `split` device holding layers) is not in the
+engine yet; `estimate_split` says what the planner's multi-device budget would give if it were, and says so.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .fit import FitError, budget_planner, floor_chunk, settle_workspace
+from .memory import human_size
+
+# ---- constants, each from a measurement ------------------------------------------------------------------------
+# What a GPU's driver and CUDA context hold outside torch's allocator: the H200's total as torch reports it less the
+# capacity the fit measured there (free + what the process had reserved), in the two full-model runs of 2026-12-04
+# (docs/results/speed_h200_full_ud_q4_k_xl_2026-12-04.json and ..._ple_host_2026-12-04.json: 150109880320 B total,
+# capacity 149391802368 and 149324693504 B): 685 and 749 MiB. The larger is kept. CUDA 13, torch 2.11; a ROCm
+# card's is not measured, and this figure stands in for it.
+H200_TOTAL_BYTES = 150109880320
+CUDA_CONTEXT_BYTES = H200_TOTAL_BYTES - 149324693504
+
+# The chunk's live activations per row, as copies of a token's rows in the layer where each backend peaks
+# (`row_width`), one constant per backend, fitted by least squares (bytes at no rows, copies) over the measured
+# workspaces less the counted terms of `chunk_workspace`:
+# - Triton (bf16/fp16 on a GPU), peaking in a Gated DeltaNet layer (fla's chunk kernel):
+#   docs/results/chunk_sweep_h200_5341396.json, the bench preset in bfloat16 at position 65536, chunks of 256..4096
+#   rows: 304295 B/row = 9.90 x (15360 values x 2 B), 4.7 MiB at no rows; each sample within -15%..+6% (the
+#   -15% is 22 MiB at 256 rows). Only the shipped per-layer shapes were measured.
+# - torch (the CPU), peaking at QSA's selection: the tiny preset and the embedded tiny model in float32 on the 2-core
+#   dev machine (2026-12-04, fit_measure.measure_workspace at positions 4096..32768, 256..2048 rows, 22 samples):
+#   2.19 x (928 and 1184 values x 4 B) a row, 3.3 MiB at no rows; each sample within -7%..+11% (the +11% is 1.5 MiB
+#   at the smallest, where repeated readings differ by as much). The selection term alone explains the slope in
+#   position: a free factor on it fitted to 1.01.
+GPU_ROW_COPIES, GPU_BASE_BYTES = 9.90, 4_893_000
+CPU_ROW_COPIES, CPU_BASE_BYTES = 2.19, 3_505_000
+# A quantized model's chunk dequantizes each layer's expert stacks whole (kernels/moe_blocks.dense_for_chunk) and
+# the fit reads the allocator's reserved peak, which these blocks of 3.4 and 1.7 GB (full model) fragment. The one
+# measured quantized fit (the full model at UD-Q4_K_XL, PLE table on the device, 4096-row floor chunk: 131072 a slot
+# on the H200, 2026-12-04) puts its workspace at that context between 6.87 and 7.30 GiB. Factors on the stacks'
+# dense bytes from 1.135 to 1.225 reproduce its answer (1.0, the bytes alone, gives 139264); 1.18 is the middle.
+# So that comparison checks consistency, not the factor: no other quantized chunk was measured on a GPU.
+GPU_DENSE_STACK_FACTOR = 1.18
+
+STATE_PROBE = 4096          # fit.py's _STATE_PROBE: states of this capacity and twice it
+PRESETS = ("bench", "full")  # `--model bench|full`: checkpoint/presets.py's shapes; `tiny` is the embedded model
+
+
+class EstimateError(ValueError):
+    """Bad estimate settings; the message names the flag or profile key."""
+
+
+# ---- the model ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the estimate knows of a model, computed on the meta device."""
+    label: str
+    cfg: Any                          # engine.model.config.ModelConfig
+    dtype: str
+    quant: str                        # "dense" (a checkpoint directory), a GGUF mix, or "gguf file"
+    weights: int                      # every parameter and buffer, the PLE table included
+    ple_table: int                    # bytes of the quantized PLE table(s) (0: none, or a dense one)
+    layers: tuple[int, ...]           # bytes of each decoder layer (the PLE table in its layer)
+    per_position: int                 # one slot's state
+    fixed: int
+    dense_stacks: int                 # one layer's expert stacks dequantized whole (0: the stacks are dense)
+    trained: int
+
+    def on_device(self, ple_on_host: bool) -> int:
+        return self.weights - (self.ple_table if ple_on_host else 0)
+
+
+def _torch_dtype(name: str):
+    import torch
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def model_facts(model: str, quant: str | None, dtype: str) -> ModelFacts:
+    """The model named by `--model` (a preset, `tiny`, a checkpoint directory or a .gguf file; the GGUF's header only)
+    at `quant` (a gguf_writer mix or block type, for presets and directories) in `dtype`."""
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.gguf_loader import quantized_stacks
+    from ..checkpoint.gguf_writer import MIXES, ONE_TYPE, PlannedFile
+    from .model.config import ConfigError, ModelConfig
+
+    if quant is not None:              # mixes are written in lower case, block types in upper (gguf_writer)
+        given, quant = quant, quant.lower() if quant.lower() in MIXES else quant.upper()
+        if quant not in MIXES + ONE_TYPE:
+            raise EstimateError(f"--quant {given!r}: choose one of {', '.join(MIXES + ONE_TYPE)}")
+    try:
+        if model in PRESETS:
+            from ..checkpoint.presets import preset_config
+            config = preset_config(model, None, dtype=dtype)
+            if quant is not None:
+                config["text_config"]["mtp_num_hidden_layers"] = 0     # llama.cpp's converter drops the MTP head
+            cfg, label, source = ModelConfig.from_dict(config, source=f"preset {model!r}"), f"preset {model}", None
+        elif str(model).endswith(".gguf"):
+            if quant is not None:
+                raise EstimateError(f"--quant {quant}: a GGUF's types come from its header; --quant is for presets "
+                                    f"and checkpoint directories")
+            from ..checkpoint.gguf_file import GGUFCheckpoint
+            source = GGUFCheckpoint(model)                  # headers only: no tensor is read
+            cfg, label = source.model_config(), str(model)
+        else:
+            from ..checkpoint.loader import read_config
+            from ..model_dir import EMBEDDED_MODEL
+            path = EMBEDDED_MODEL if model == "tiny" else Path(model)
+            if not (path / "config.json").is_file():
+                raise EstimateError(f"--model {model!r}: --estimate reads a checkpoint directory's config.json, a "
+                                    f".gguf file's metadata, 'tiny' or a preset ({', '.join(PRESETS)}); "
+                                    f"Hugging Face ids are not fetched for an estimate")
+            cfg = ModelConfig.from_dict(read_config(str(path)), source=f"{path}/config.json")
+            label, source = str(model), None
+    except (ConfigError, CheckpointError, OSError) as err:
+        raise EstimateError(f"--model {model}: {err}") from None
+    stacks = {}
+    if source is not None:
+        stacks = quantized_stacks(source, cfg)
+    elif quant is not None:
+        stacks = quantized_stacks(PlannedFile(cfg, quant), cfg)
+    kind = "gguf file" if source is not None else (quant or "dense")
+    return _facts_from_shapes(cfg, stacks, dtype, label, kind)
+
+
+def _facts_from_shapes(cfg, stacks: dict, dtype: str, label: str, quant: str) -> ModelFacts:
+    import torch
+
+    from .loading import quantized_ple_tables
+    from .model.causal_lm import Qwen4ExpForCausalLM
+    from .model.quantized import keep_quantized
+    from .state import SequenceState
+
+    torch_dtype = _torch_dtype(dtype)
+    with torch.device("meta"):                  # as build_model builds it, nothing allocated
+        model = Qwen4ExpForCausalLM(cfg)
+        keep_quantized(model, stacks, torch_dtype)
+    model = model.to(dtype=torch_dtype)
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    weights = sum(t.numel() * t.element_size() for t in tensors.values())
+    ple = sum(table.blocks.numel() for table in quantized_ple_tables(model))
+    layers = tuple(sum(t.numel() * t.element_size() for name, t in tensors.items()
+                       if name.startswith(f"model.layers.{i}.")) for i in range(cfg.num_hidden_layers))
+    extra = 1 if model.mtp is not None else 0
+
+    def state(capacity: int) -> int:
+        return SequenceState(cfg, capacity, "meta", torch_dtype, extra_attention_layers=extra).nbytes()
+
+    # fit_measure.measure_state's arithmetic: the difference over the probe is per position, the rest fixed.
+    per_position = -(-(state(2 * STATE_PROBE) - state(STATE_PROBE)) // STATE_PROBE)
+    fixed = max(state(STATE_PROBE) - per_position * STATE_PROBE, 0)
+    dense = 0
+    for name in ("gate_up_proj", "down_proj"):
+        shapes = [shape for key, (_, shape) in stacks.items() if key.endswith(f".experts.{name}")]
+        dense += max((math.prod(shape) for shape in shapes), default=0) * torch_dtype.itemsize
+    return ModelFacts(label, cfg, dtype, quant, weights, ple, layers, per_position, fixed, dense,
+                      cfg.max_position_embeddings)
+
+
+# ---- the chunk's workspace ----------------------------------------------------------------------------------------
+def row_width(cfg, backend: str) -> int:
+    """Values a token holds in the layer where the chunk peaks. Triton: a Gated DeltaNet layer, per value head its
+    key and value rows and its row of the 64-token chunk's decay and system matrices (delta_rule.CHUNK), as fla's
+    chunk kernel holds them. torch: a QSA layer at the selection, its hyper-connection streams, query and gate, key and
+    value, and the indexer's queries and key (twice: the float32 copy the selection scores with)."""
+    from .model.delta_rule import CHUNK
+
+    if backend == "triton":
+        return cfg.linear_num_value_heads * (cfg.linear_key_head_dim + cfg.linear_value_head_dim + CHUNK)
+    return (cfg.hc_count * cfg.hidden_size + 2 * (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim
+            + 2 * (cfg.indexer_n_heads + 1) * cfg.indexer_head_dim)
+
+
+def chunk_workspace(facts: ModelFacts, backend: str, position: int, rows: int) -> dict[str, int]:
+    """The floor chunk's workspace at `position` (a `rows`-row chunk ending there, as fit_measure.measure_workspace
+    runs it), term by term; the sum is what the planner is given. `backend`: "triton" (bf16/fp16 on a GPU: the
+    kernels of kernels/) or "torch" (the torch forms: the CPU, float32)."""
+    from ..kernels.moe_blocks import DENSE_FROM
+    from .model import qsa
+
+    cfg = facts.cfg
+    itemsize = _torch_dtype(facts.dtype).itemsize
+    ratio = cfg.indexer_compress_ratio
+    n_blocks = position // ratio
+    triton = backend == "triton"
+    copies, base = (GPU_ROW_COPIES, GPU_BASE_BYTES) if triton else (CPU_ROW_COPIES, CPU_BASE_BYTES)
+    terms = {"fixed": base, "activations": int(rows * copies * itemsize * row_width(cfg, backend))}
+    # The RoPE table covers the position, grown in powers of two (Qwen4ExpForCausalLM.rope); cos and sin.
+    table = 1 << max(12, (position - 1).bit_length())
+    terms["rope table"] = 2 * table * cfg.rotary_dim * itemsize
+    sparse = any(cfg.is_qsa(i) for i in range(cfg.num_hidden_layers)) and position > cfg.dense_limit
+    if triton:
+        if sparse:   # triton_ops._chunk_token_lists: int64 ranking keys of one query slice, the token lists
+            most = max(qsa.QUERY_SLICE, qsa.SCORE_BUDGET_BYTES // (16 * n_blocks))
+            slice_rows = max(last - first for first, last in qsa.query_slices(rows, most))
+            terms["ranking keys"] = slice_rows * n_blocks * 8
+            terms["token lists"] = rows * (cfg.block_topk + 1) * ratio * 5
+        if facts.dense_stacks and rows * cfg.num_experts_per_tok >= DENSE_FROM * cfg.num_experts:
+            terms["dequantized experts"] = int(GPU_DENSE_STACK_FACTOR * facts.dense_stacks)
+    elif sparse:     # qsa.Indexer.select_mask: the [rows, position] mask and one slice's float32 scores
+        most = qsa._slice_rows(n_blocks, cfg.indexer_n_heads)
+        slice_rows = max(last - first for first, last in qsa.query_slices(rows, most))
+        # the einsum's [rows, blocks, heads] and its head sum (float32), the visibility mask (bool)
+        terms["selection"] = rows * position + slice_rows * n_blocks * (4 * cfg.indexer_n_heads + 4 + 1)
+    return terms
+
+
+# ---- the box ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceSize:
+    """One device of the box: its role, its kind (cuda or cpu) and its total memory."""
+    role: str                 # "target" or "split"
+    name: str
+    kind: str                 # "cuda" (ROCm too) or "cpu"
+    total: int
+    limit: int | None = None
+
+    @property
+    def reserved(self) -> int:
+        return CUDA_CONTEXT_BYTES if self.kind == "cuda" else 0
+
+    @property
+    def capacity(self) -> int:
+        usable = self.total - self.reserved
+        return usable if self.limit is None else min(usable, self.limit)
+
+    def describe(self) -> str:
+        text = f"{self.name} ({self.kind}) {human_size(self.total)}"
+        if self.reserved:
+            text += f" less {human_size(self.reserved)} for the driver and context"
+        if self.limit is not None and self.limit < self.total - self.reserved:
+            text += f", capped at {human_size(self.limit)}"
+        return text
+
+
+@dataclass
+class Fit:
+    """One search's answer (or why there is none) for one placement of the PLE table."""
+    ple: str                                  # "device" or "host" (or "none": no quantized table)
+    weights: int                              # on the target
+    context: int | None = None
+    chunk: int | None = None
+    plan: Any = None                          # _core.Plan
+    samples: list[tuple[int, int]] = field(default_factory=list)
+    error: str | None = None
+    split_layers: dict[str, tuple[int, int, int]] = field(default_factory=dict)   # name: (first, last, bytes)
+
+
+@dataclass
+class Estimate:
+    facts: ModelFacts
+    backend: str
+    target: DeviceSize
+    splits: tuple[DeviceSize, ...]
+    slots: int
+    chunk: int
+    chunk_floor: int
+    headroom: float
+    snapshots_on_device: bool
+    ple: str                                   # the setting
+    fit: Fit                                   # the engine's answer: the target alone
+    tried: list[Fit] = field(default_factory=list)
+    split: Fit | None = None                   # what a split would hold (not served by the engine yet)
+    split_tried: list[Fit] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def backend_for(kind: str, dtype: str) -> str:
+    """Which ops backend the engine would run (engine/model/backend.ops_for): the Triton kernels for bf16/fp16 on a
+    GPU (every op builds for the checked targets, sm_90, gfx1201 and gfx1151: kernels/guard.NOT_BUILT is empty),
+    else the torch forms."""
+    return "triton" if kind == "cuda" and dtype in ("bfloat16", "float16") else "torch"
+
+
+def estimate_plan(facts: ModelFacts, target: DeviceSize, splits: tuple[DeviceSize, ...] = (), *, slots: int = 4,
+                  chunk: int, ple: str = "auto", headroom: float = 0.1, snapshots_on_device: bool | None = None,
+                  max_ctx: int | str = "auto", max_chunk: int = 8192) -> Estimate:
+    """The plan for `facts` on `target` (and what `splits` would add), decided as the engine decides it: the PLE
+    table on the device unless ple = "host", or "auto" on a GPU moves it to host memory when that fits a longer
+    context (EngineConfig.resolve_context)."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 8:
+        raise EstimateError(f"--slots must be a whole number from 1 to 8, got {slots!r}")
+    if ple not in ("auto", "device", "host"):
+        raise EstimateError(f"--ple must be auto, device or host, got {ple!r}")
+    if ple == "host" and not facts.ple_table:
+        raise EstimateError("--ple host keeps a GGUF's quantized PLE table in host memory; this model's table is not "
+                            "quantized (a safetensors checkpoint or a float mix): give --quant or a .gguf file")
+    backend = backend_for(target.kind, facts.dtype)
+    on_device = target.kind == "cpu" if snapshots_on_device is None else snapshots_on_device
+    trained, step, floor = _search_range(facts, max_ctx)
+    est = Estimate(facts, backend, target, splits, slots, chunk, floor_chunk(chunk), headroom, on_device, ple,
+                   fit=Fit("none", 0))
+    if floor < est.chunk_floor:
+        raise EstimateError(f"the smallest context, {floor}, is shorter than the floor chunk of {est.chunk_floor} "
+                            f"rows (--chunk {chunk})")
+    if target.kind == "cuda":
+        est.notes.append(f"{human_size(CUDA_CONTEXT_BYTES)} of each GPU counted as the driver's and the CUDA "
+                         f"context's (measured on the H200, CUDA 13; not measured on ROCm)")
+        if snapshots_on_device is None:
+            est.notes.append("snapshots in host memory, as beside a discrete GPU; a unified-memory GPU as the target "
+                             "keeps them in its memory: --snapshots device")
+    if backend == "torch" and target.kind == "cuda":
+        est.notes.append(f"{facts.dtype} on a GPU runs the torch forms, whose workspace constants were fitted on the "
+                         f"CPU only")
+    if backend == "torch" and facts.dense_stacks:
+        est.notes.append("the torch forms dequantize a kept-quantized weight whole for a chunk: not in the workspace "
+                         "formula")
+    est.fit, est.tried = _decide(est, trained, step, floor, max_chunk, split=False)
+    if splits:
+        est.split, est.split_tried = _decide(est, trained, step, floor, max_chunk, split=True)
+        if est.split.ple == "host":
+            est.notes.append("split: on a unified-memory box host memory is the integrated GPU's memory too, so a PLE "
+                             "table in host memory takes from the split device's share")
+    return est
+
+
+def _decide(est: Estimate, trained: int, step: int, floor: int, max_chunk: int, split: bool) -> tuple[Fit, list[Fit]]:
+    """EngineConfig.resolve_context's choice of where the PLE table lives: where `ple` says; with "auto" on a GPU,
+    on the device unless host memory fits a longer context (or the device placement fits none)."""
+    facts = est.facts
+    if not facts.ple_table:
+        fit = _search(est, "none", trained, step, floor, max_chunk, split)
+        return fit, [fit]
+    chosen = _search(est, "host" if est.ple == "host" else "device", trained, step, floor, max_chunk, split)
+    tried = [chosen]
+    if est.ple == "auto" and est.target.kind == "cuda" and (chosen.context is None or chosen.context < trained):
+        moved = _search(est, "host", trained, step, floor, max_chunk, split)
+        tried.append(moved)
+        if moved.context is not None and (chosen.context is None or moved.context > chosen.context):
+            est.notes.append(f"ple = 'auto'{' (split)' if split else ''}: the PLE table "
+                             f"({human_size(facts.ple_table)}) goes to host memory, which fits {moved.context} "
+                             f"positions a slot against {chosen.context if chosen.context is not None else 'none'} "
+                             f"with it on the device")
+            chosen = moved
+    return chosen, tried
+
+
+def _search_range(facts: ModelFacts, max_ctx: int | str) -> tuple[int, int, int]:
+    """(trained, step, floor) of the context search; a given number is checked, not searched (as `plan` does)."""
+    trained = facts.trained
+    if max_ctx == "auto":
+        return min(262144, trained), 4096, 4096
+    ratio = facts.cfg.indexer_compress_ratio
+    if isinstance(max_ctx, bool) or not isinstance(max_ctx, int) or max_ctx <= 0 or max_ctx % ratio:
+        raise EstimateError(f"--max-ctx {max_ctx} must be 'auto' or a positive multiple of the QSA compress ratio "
+                            f"{ratio}")
+    if max_ctx > trained:
+        raise EstimateError(f"--max-ctx {max_ctx} is past the model's trained context of {trained} positions")
+    return max_ctx, max_ctx, max_ctx
+
+
+def _search(est: Estimate, ple: str, trained: int, step: int, floor: int, max_chunk: int,
+            split: bool = False) -> Fit:
+    """fit_context's search over estimated inputs: the same budget model, the same workspace sampling rounds."""
+    from .. import _core
+
+    facts, target = est.facts, est.target
+    weights = facts.on_device(ple == "host")
+    fit = Fit(ple, weights)
+    others = []
+    if split:
+        weights, fit.split_layers, others = _place_layers(est, ple)
+        fit.weights = weights
+    try:
+        available = _core.DeviceBudget(target.name, target.capacity, bytes_per_position=0,
+                                       headroom=est.headroom).available
+    except _core.PlannerError as err:
+        raise EstimateError(f"--headroom: {err}") from None
+    if weights >= available:
+        fit.error = (f"the weights alone, {human_size(weights)}, do not fit in the {human_size(available)} available "
+                     f"on {target.name} ({human_size(target.capacity)} less {est.headroom:.0%} headroom)")
+        return fit
+
+    def planner():
+        return budget_planner(target.name, target.capacity, weights=weights, per_position=facts.per_position,
+                              fixed=facts.fixed, samples=fit.samples, slots=est.slots,
+                              snapshots_on_device=est.snapshots_on_device, headroom=est.headroom, trained=trained,
+                              step=step, floor=floor, chunk_floor=est.chunk_floor, max_chunk=max_chunk,
+                              others=tuple(others))
+
+    def estimate():
+        try:
+            return planner().estimate()
+        except _core.PlannerError as err:
+            raise FitError(str(err)) from None
+
+    def sample(position: int) -> None:
+        fit.samples.append((position, sum(chunk_workspace(facts, est.backend, position, est.chunk_floor).values())))
+
+    try:
+        plan = settle_workspace(sample, estimate, fit.samples, floor, trained)
+    except FitError as err:
+        fit.error = f"cannot fit {est.slots} slot(s) on {target.name}: {err}"
+        return fit
+    fit.context, fit.chunk, fit.plan = plan.context, min(plan.chunk, plan.context), plan
+    return fit
+
+
+def _place_layers(est: Estimate, ple: str):
+    """Whole decoder layers from the last one down onto the split devices, each filled to its capacity less
+    headroom; the target keeps the rest (embedding, LM head, the layers left), every slot's caches and the chunk, as
+    the `target` role says (config/schema.py). Returns (the target's weights, {device: (first, last, bytes)},
+    the split devices' DeviceBudgets)."""
+    from .. import _core
+
+    facts = est.facts
+    layer_bytes = list(facts.layers)
+    if ple == "host" and facts.ple_table:        # the table sits in its layer's bytes; in host memory it is not
+        for i, layer_id in enumerate(facts.cfg.ple_layer_ids):
+            layer_bytes[layer_id - 1] -= facts.ple_table // len(facts.cfg.ple_layer_ids)
+    remaining = facts.on_device(ple == "host")
+    placed, budgets = {}, []
+    index = len(layer_bytes) - 1
+    for device in est.splits:
+        room = _core.DeviceBudget(device.name, device.capacity, bytes_per_position=0, headroom=est.headroom).available
+        held, last = 0, index
+        while index >= 0 and held + layer_bytes[index] <= room:
+            held += layer_bytes[index]
+            index -= 1
+        if held:
+            placed[device.name] = (index + 1, last, held)
+        remaining -= held
+        budgets.append(_core.DeviceBudget(device.name, device.capacity, bytes_per_position=0, weights=held,
+                                          slots=est.slots, headroom=est.headroom))
+    return remaining, placed, budgets
+
+
+# ---- sizes from flags or a profile --------------------------------------------------------------------------------
+def parse_devices(text: str, kind: str, limit: int | None) -> tuple[DeviceSize, tuple[DeviceSize, ...]]:
+    """--devices target=SIZE[,split=SIZE...] (sizes as profiles write them): the target and any split devices."""
+    from ..config.sizes import parse_size
+
+    target, splits = None, []
+    for part in [p.strip() for p in text.split(",") if p.strip()]:
+        role, _, size = part.partition("=")
+        role = role.strip().lower()
+        if role not in ("target", "split") or not size.strip():
+            raise EstimateError(f"--devices: {part!r} is not ROLE=SIZE with ROLE target or split "
+                                f"(e.g. --devices target=32GiB,split=128GiB)")
+        try:
+            total = parse_size(size.strip())
+        except ValueError as err:
+            raise EstimateError(f"--devices: {role}={size}: {err}") from None
+        if total <= 0:
+            raise EstimateError(f"--devices: {role}={size} must be more than 0 bytes")
+        if role == "target":
+            if target is not None:
+                raise EstimateError("--devices names the target twice; one device is the target")
+            target = DeviceSize("target", "target", kind, total, limit)
+        else:
+            splits.append(total)
+    if target is None:
+        raise EstimateError(f"--devices {text!r} names no target (e.g. --devices target=32GiB)")
+    names = ["split"] if len(splits) == 1 else [f"split{i + 1}" for i in range(len(splits))]
+    return target, tuple(DeviceSize("split", name, kind, total) for name, total in zip(names, splits))
+
+
+def profile_devices(settings) -> tuple[DeviceSize, tuple[DeviceSize, ...]]:
+    """The target and split devices of a profile, with each one's `memory` (required for an estimate)."""
+    def size(device, role: str) -> DeviceSize:
+        if device.memory is None:
+            raise EstimateError(f"profile devices: {device.name} ({role}) has no `memory`: an estimate needs each "
+                                f"device's total memory (memory = \"32GiB\"), or give --devices")
+        return DeviceSize(role, device.name, device.kind, device.memory,
+                          settings.memory_limit_for(device) if role == "target" else device.memory_limit)
+
+    return size(settings.target, "target"), tuple(size(d, "split") for d in settings.split_devices)
