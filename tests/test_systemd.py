@@ -24,6 +24,27 @@ def test_notify_sends_datagrams_to_the_socket(tmp_path, monkeypatch):
         assert server.recv(4096) == b"WATCHDOG=1"
 
 
+def test_fetching_the_model_extends_systemds_start_timeout_until_it_ends(tmp_path):
+    """A model fetched from the Hub before the engine loads can take longer than TimeoutStartSec: while it runs,
+    systemd is told to wait longer (EXTEND_TIMEOUT_USEC), with the reason in STATUS; after it, nothing more."""
+    import time
+
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+        server.bind(path)
+        server.settimeout(2)
+        with Notifier(path).extending_start("fetching the model org/repo", every=0.05):
+            time.sleep(0.3)
+        got = []
+        server.settimeout(0.2)
+        try:
+            while True:
+                got.append(server.recv(4096))
+        except TimeoutError:
+            pass
+    assert len(got) >= 3 and set(got) == {b"EXTEND_TIMEOUT_USEC=150000\nSTATUS=fetching the model org/repo"}
+
+
 def test_notify_is_a_no_op_outside_systemd(monkeypatch):
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     assert not Notifier().notify(READY=1)

@@ -170,12 +170,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from .engine.engine_config import EngineConfig
+    from .server.sd_notify import Notifier
     from .server.serve import serve
     from .server.shared import ServerOptions
 
     settings = _settings(args, SERVE_OVERRIDES)
     logging.getLogger().setLevel(settings.log_level.upper())
-    engine, options = EngineConfig.from_settings(settings), ServerOptions.from_settings(settings)
+    # A model named by Hugging Face id may be downloaded here, before the engine loads: as long as that takes.
+    with Notifier().extending_start(f"fetching the model {settings.model}"):
+        engine = EngineConfig.from_settings(settings)
+    options = ServerOptions.from_settings(settings)
     host, port = settings.server.host, settings.server.port
     print(f"qwen4exp: profile {settings.profile_path or 'defaults'}; loading {engine.model} ...", file=sys.stderr)
     asyncio.run(serve(engine, options, host, port,

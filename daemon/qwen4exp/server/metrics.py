@@ -6,8 +6,8 @@ Two sets of names:
     written for vLLM works after that one rename (docs/API.md, "GET /metrics"). The supervisor observes them on the
     event loop as the worker's messages arrive (RequestMetrics: one `observe` and one `inc` per token); the
     engine's state (running and waiting requests) is read from the worker's stats at scrape time (EngineStats).
-  - `qwen4exp_*` are the daemon's own, unlabelled, rendered as they were before this module used prometheus-client
-    (integer values; scripts and tests read them as such).
+  - `qwen4exp_*` are the daemon's own, unlabelled, written as plain text lines with integer values (scripts
+    and tests read them as such; a prometheus-client collector would print 12.0).
 """
 
 from __future__ import annotations

@@ -38,9 +38,8 @@ class Worker:
         import torch
 
         from ..engine.engine import Engine
-        from ..tokenizer import Tokenizer
-
         from ..engine.offload import restore
+        from ..tokenizer import Tokenizer
 
         started = time.perf_counter()
         config = self.config
