@@ -249,3 +249,20 @@ def test_bad_tool_and_template_fields_get_400s_naming_them(server, body, param, 
     status, answer, _ = server.request("POST", "/v1/chat/completions",
                                        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2} | body)
     assert status == 400 and answer["error"]["param"] == param and message in answer["error"]["message"], answer
+
+
+def test_a_chat_the_template_refuses_is_a_400_naming_the_template(tokenizer, monkeypatch):
+    """A real model's template can raise on what a client sent (Qwen's raise on a chat without a user turn, or on
+    chat_template_kwargs it cannot render): the client gets a 400 saying so, not a 500."""
+    from jinja2.exceptions import TemplateError
+
+    from qwen4exp.server.chat_prompt import chat_prompt
+    from qwen4exp.server.errors import ApiError
+
+    def refusing(*args, **kwargs):
+        raise TemplateError("No user query found in messages.")
+
+    monkeypatch.setattr(tokenizer, "encode_chat", refusing)
+    with pytest.raises(ApiError, match="chat template refused this chat: No user query found") as caught:
+        chat_prompt({"messages": [{"role": "system", "content": "x"}]}, tokenizer)
+    assert caught.value.status == 400

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from jinja2.exceptions import TemplateError
+
 from .errors import ApiError
 from .reasoning import prompt_opens_thinking
 from .request_fields import plain_text
@@ -53,7 +55,10 @@ def chat_prompt(body: dict, tokenizer) -> tuple[list[int], ChatReading]:
     variables = _template_variables(body)
     if tools and mode != "none":
         variables["tools"] = tools
-    ids = tokenizer.encode_chat(messages, True, **variables)
+    try:
+        ids = tokenizer.encode_chat(messages, True, **variables)
+    except TemplateError as err:       # a template's raise_exception, or variables it cannot render
+        raise ApiError(400, f"the model's chat template refused this chat: {err}", param="messages") from None
     thinking = prompt_opens_thinking(tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:]))
     forced = ""
     if mode in ("required", "named"):
