@@ -2,6 +2,12 @@
 
     python bench/load.py --serve --out docs/results/load_tiny.json          # starts `qwen4exp serve` (tiny profile)
     python bench/load.py --url http://127.0.0.1:8077 --api-key KEY --out load.json
+    python bench/load.py --url http://127.0.0.1:8077 --mix chat --seconds 40 --out chat.json     # chat traffic
+
+`--mix chat` is the traffic of a chat service instead: /generate, /v1/completions and /v1/chat/completions (JSON and
+SSE) with prompts of 10-500 words (about a token each) and 32-64 new tokens, no faults; each level lasts `--seconds`
+and also reports requests and generated tokens per second. Every level reports the daemon's own view from its
+/metrics beside the clients' (tokens generated; mean time to first token, queue time and prefill time).
 
 At each concurrency level, that many clients send requests back to back until the level's count is done. The mix:
 /generate (JSON and SSE), /v1/chat/completions (JSON and SSE), /v1/completions (SSE), clients that drop a stream
@@ -33,6 +39,14 @@ import aiohttp
 
 KINDS = ("generate", "generate_stream", "chat", "chat_stream", "completion_stream", "drop_stream", "drop_json",
          "hostile")
+CHAT_KINDS = ("generate", "generate_stream", "chat", "chat_stream", "completion", "completion_stream")
+WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an they "
+         "you were her she there been one all we their has would when if so no will more what up out some time can "
+         "said into could them other than then now only its over also after first two new like may such these any "
+         "where most made our through years way well should because each people how just state being world still "
+         "between under while last might great since against right three used own old life day home water long "
+         "place little house number part every light after night point city small large hand high end story "
+         "river road tree north south garden window morning letter music winter summer question answer").split()
 HOSTILE = {
     "deep_json": b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}",
     "lone_surrogate": b'{"prompt": "a\\ud800b", "max_tokens": 4}',
@@ -81,12 +95,26 @@ def percentiles(values: list[float]) -> dict:
 
 
 class Load:
-    def __init__(self, url: str, api_key: str | None, max_tokens: int, hang_after: float, seed: int):
-        self.url, self.max_tokens, self.hang_after = url.rstrip("/"), max_tokens, hang_after
+    def __init__(self, url: str, api_key: str | None, max_tokens: int, hang_after: float, seed: int,
+                 mix: str = "faults"):
+        self.url, self.max_tokens, self.hang_after, self.mix = url.rstrip("/"), max_tokens, hang_after, mix
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.random = random.Random(seed)
 
+    def chat_body(self, kind: str) -> tuple[str, bytes]:
+        """A chat service's request: 10-500 words of prompt, 32-64 new tokens."""
+        prompt = " ".join(self.random.choice(WORDS) for _ in range(self.random.randint(10, 500)))
+        tokens, stream = self.random.randint(32, 64), kind.endswith("stream")
+        if kind.startswith("generate"):
+            return "/generate", json.dumps({"prompt": prompt, "max_tokens": tokens, "stream": stream}).encode()
+        if kind.startswith("chat"):
+            return "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": prompt}],
+                                                       "max_tokens": tokens, "stream": stream}).encode()
+        return "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": tokens, "stream": stream}).encode()
+
     def body(self, kind: str) -> tuple[str, bytes]:
+        if self.mix == "chat":
+            return self.chat_body(kind)
         prompt = self.random.choice(["In the beginning", "And the LORD said", "Blessed are", "Now the serpent"])
         tokens = self.random.randint(4, self.max_tokens)
         if kind.startswith("generate"):
@@ -158,13 +186,16 @@ class Load:
             writer.close()
         return closed
 
-    async def level(self, clients: int, requests: int) -> dict:
+    async def level(self, clients: int, requests: int, seconds: float = 0.0) -> dict:
+        """`clients` clients send requests back to back: `requests` of them in all, or for `seconds`."""
         out = {"status": collections.Counter(), "ttft": [], "e2e": [], "hung": 0, "stream_errors": 0}
-        kinds = [KINDS[i % len(KINDS)] for i in range(requests)]
+        kinds_of_mix = CHAT_KINDS if self.mix == "chat" else KINDS
+        kinds = [kinds_of_mix[i % len(kinds_of_mix)] for i in range(requests)]
         self.random.shuffle(kinds)
         queue: asyncio.Queue = asyncio.Queue()
         for kind in kinds:
             queue.put_nowait(kind)
+        counts_before = server_counts(self.url, self.headers)
         context = multiprocessing.get_context("spawn")
         stop, results = context.Event(), context.Queue()
         monitor = context.Process(target=probe_health, args=(self.url, stop, results))
@@ -173,19 +204,50 @@ class Load:
         started = time.monotonic()
         async with aiohttp.ClientSession(connector=connector) as session:
             async def client() -> None:
-                while not queue.empty():
+                if seconds:
+                    while time.monotonic() - started < seconds:
+                        await self.one(session, self.random.choice(kinds_of_mix), out)
+                while not seconds and not queue.empty():
                     await self.one(session, queue.get_nowait(), out)
             await asyncio.gather(*(client() for _ in range(clients)))
         wall = time.monotonic() - started
+        server = server_side(counts_before, server_counts(self.url, self.headers))
+        answered = sum(n for s, n in out["status"].items() if s.isdigit())
         stop.set()
         out["health"], out["health_not_ready"], out["health_failed"] = results.get(timeout=60)
         monitor.join(10)
-        return {"clients": clients, "requests": requests, "wall_s": round(wall, 2),
+        return {"clients": clients, "requests": answered if seconds else requests, "wall_s": round(wall, 2),
+                "requests_per_s": round(answered / wall, 2),
+                "generated_tokens_per_s": round(server["generated_tokens"] / wall, 1), "server_side": server,
                 "status": dict(sorted(out["status"].items())), "hung": out["hung"],
                 "server_errors": sum(n for s, n in out["status"].items() if s.isdigit() and int(s) >= 500),
                 "stream_error_events": out["stream_errors"], "ttft": percentiles(out["ttft"]),
                 "e2e": percentiles(out["e2e"]), "health": percentiles(out["health"]),
                 "health_not_ready": out["health_not_ready"], "health_failed": out["health_failed"]}
+
+
+SERVER_SIDE = ("time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds")
+
+
+def server_counts(url: str, headers: dict) -> dict[str, float]:
+    """The daemon's own counts so far (/metrics): generated tokens, and the sums and counts of its time to first
+    token, queue time and prefill time histograms (summed over label sets)."""
+    import urllib.request
+    text = urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=30).read()
+    out: dict[str, float] = collections.defaultdict(float)
+    for name, value in re.findall(rb"^qwen4exp:(\w+?)(?:\{[^}]*\})? (\S+)$", text, re.M):
+        out[name.decode()] += float(value)
+    return out
+
+
+def server_side(before: dict, after: dict) -> dict:
+    """Per level: tokens generated, and the mean of each server-side time (ms) over the level's requests."""
+    out = {"generated_tokens": int(after["generation_tokens_total"] - before["generation_tokens_total"])}
+    for name in SERVER_SIDE:
+        count = after[name + "_count"] - before[name + "_count"]
+        total = after[name + "_sum"] - before[name + "_sum"]
+        out[name.replace("_seconds", "_mean_ms")] = round(total / count * 1000, 1) if count else None
+    return out
 
 
 def resident(url: str, headers: dict, server_pid: int | None) -> dict:
@@ -222,6 +284,10 @@ def main() -> None:
     parser.add_argument("--api-key", default=os.environ.get("QWEN4EXP_API_KEY"))
     parser.add_argument("--levels", default="1,4,16,64", help="concurrent clients, comma-separated")
     parser.add_argument("--requests", type=int, default=160, help="requests per level")
+    parser.add_argument("--mix", choices=("faults", "chat"), default="faults",
+                        help="faults: endpoints, dropped clients and hostile bodies; chat: a chat service's traffic")
+    parser.add_argument("--seconds", type=float, default=0.0, help="each level lasts this long (instead of "
+                        "--requests)")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--hang-after", type=float, default=120.0, help="seconds without an answer = hung")
     parser.add_argument("--slow-connections", type=int, default=50)
@@ -232,19 +298,20 @@ def main() -> None:
     daemon = start_daemon(args.port, args.header_timeout) if args.serve else None
     url = f"http://127.0.0.1:{args.port}" if args.serve else args.url
     try:
-        load = Load(url, args.api_key, args.max_tokens, args.hang_after, args.seed)
+        load = Load(url, args.api_key, args.max_tokens, args.hang_after, args.seed, args.mix)
         pid = daemon.pid if daemon else None
         memory = {"start": resident(url, load.headers, pid)}
         levels = []
         for number, clients in enumerate(int(c) for c in args.levels.split(",")):
-            levels.append(asyncio.run(load.level(clients, args.requests)))
+            levels.append(asyncio.run(load.level(clients, args.requests, args.seconds)))
             memory[f"after_level_{number}_{clients}_clients"] = resident(url, load.headers, pid)
             print(json.dumps(levels[-1]), file=sys.stderr)
-        closed = asyncio.run(load.slow_headers(args.slow_connections))
+        closed = asyncio.run(load.slow_headers(args.slow_connections)) if args.mix == "faults" else 0
         memory["end"] = resident(url, load.headers, pid)
         result = {"url": url, "levels": levels, "memory": memory,
                   "slow_header_connections": {"opened": args.slow_connections, "closed_by_server": closed},
-                  "hostile_bodies": sorted(HOSTILE), "max_tokens": args.max_tokens,
+                  "mix": args.mix, "hostile_bodies": sorted(HOSTILE) if args.mix == "faults" else [],
+                  "max_tokens": args.max_tokens if args.mix == "faults" else "32-64",
                   "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPUs, {sys.platform}"}
     finally:
         if daemon is not None:

@@ -135,11 +135,17 @@ def test_resident_limit_evicts_oldest_and_counts(model):
     assert warm.cached_tokens == 32
 
 
-def test_long_prompt_keeps_log_many_snapshots(model):
+@pytest.mark.parametrize("length, kept", [(260, [16, 32, 64, 128, 256]), (250, [16, 32, 64, 128, 240]),
+                                          (240, [16, 32, 64, 128, 240])])
+def test_long_prompt_takes_log_many_snapshots(model, length, kept):
+    """At 1, 2, 4, 8... chunks and the prompt's last restore point; none between (each copies the whole prefix)."""
     cache = _cache(model)
-    _run(_engine(model, cache), Request(prompt_ids=_prompt(260, seed=9), max_tokens=1))
-    lengths = sorted(e for e in _stored_lengths(cache))
-    assert lengths == [16, 32, 64, 128, 256]        # 1, 2, 4, 8, 16 chunks, and the latest
+    _run(_engine(model, cache), Request(prompt_ids=_prompt(length, seed=9), max_tokens=1))
+    assert sorted(_stored_lengths(cache)) == kept
+    assert cache.counters.captures == len(kept)
+    # The resent prompt restores the last point.
+    warm, = _run(_engine(model, cache), Request(prompt_ids=_prompt(length, seed=9), max_tokens=1))
+    assert warm.cached_tokens == kept[-1]
 
 
 def test_engine_refuses_a_cache_cut_on_another_grid(model):

@@ -267,8 +267,8 @@ class Engine:
             logits = run_with_oom_retry(run_chunk, self.device, f"the prompt chunk {begin}..{end} of {request.id}")
             del saved, run_chunk
             slot.prefilled = end
-            if self.prefix_cache is not None and end % self.restore_spacing == 0:
-                self._capture(slot, request.prompt_ids[:end], logits)
+            if self.prefix_cache is not None and self._keeps_snapshot_at(end, len(request.prompt_ids)):
+                self.prefix_cache.capture(request.prompt_ids[:end], slot.state, logits)
             if end == len(request.prompt_ids):
                 self._accept(slot, slot.sampler(logits), logits)
                 del logits
@@ -280,18 +280,19 @@ class Engine:
             log.exception("prefill failed for %s", request.id)
             self._finish(slot, request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
 
-    def _capture(self, slot: Slot, prefix: list[int], logits: torch.Tensor) -> None:
-        """Snapshot a restore point. Of this request's earlier captures, keep those at 1, 2, 4, 8... chunks
-        (shareable prefixes at every scale) and drop the others, so a long prompt costs O(log n) snapshots."""
-        handle = self.prefix_cache.capture(prefix, slot.state, logits)
-        if handle is None:
-            return
-        if slot.last_capture is not None:
-            previous, length = slot.last_capture
-            chunks = length // self.chunk
-            if chunks & (chunks - 1):
-                self.prefix_cache.forget(previous)
-        slot.last_capture = (handle, len(prefix))
+    def _keeps_snapshot_at(self, end: int, prompt_length: int) -> bool:
+        """Whether a prompt prefilled up to `end` is snapshotted there: at 1, 2, 4, 8... chunks (shareable
+        prefixes at every scale, so a long prompt costs O(log n) snapshots) and at the prompt's last restore point
+        (the one a resent or continued prompt restores). Not at the restore points between: each capture copies
+        the whole prefix's K/V, and capturing them all cost 2.5 s of a 262144-token prompt's first token."""
+        if end % self.restore_spacing:
+            return False
+        chunks, rest = divmod(end, self.chunk)
+        if rest == 0 and chunks & (chunks - 1) == 0:
+            return True
+        later_point = prompt_length - end >= self.chunk or (prompt_length > end and
+                                                            prompt_length % self.restore_spacing == 0)
+        return not later_point
 
     def _decode(self) -> None:
         active = [s for s in self.pool.slots if s.decoding]

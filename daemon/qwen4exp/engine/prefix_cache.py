@@ -124,15 +124,6 @@ class PrefixCache:
         self.counters.saved += 1
         return handle
 
-    def forget(self, handle: int) -> None:
-        """Drop a snapshot unless it is being restored."""
-        with self._lock:
-            entry = self.store.get(handle)
-            if entry is None or entry.pins:
-                return
-            self.store.remove(handle)
-            self._drop(handle)
-
     def _drop(self, handle: int) -> None:
         self._snapshots.pop(handle, None)
         self._keys.pop(handle, None)

@@ -23,7 +23,6 @@ class Slot:
     next_token: int | None = None      # chosen, not yet fed back (decode phase)
     detokenizer: object | None = None
     stops: object | None = None
-    last_capture: tuple[int, int] | None = None   # (handle, length) of this request's latest snapshot
 
     @property
     def busy(self) -> bool:
@@ -34,7 +33,7 @@ class Slot:
         return self.request is not None and self.next_token is not None
 
     def release(self) -> None:
-        self.request = self.sampler = self.detokenizer = self.stops = self.last_capture = None
+        self.request = self.sampler = self.detokenizer = self.stops = None
         self.prefilled = 0
         self.next_token = None
 
