@@ -7,7 +7,10 @@
 `--mix chat` is the traffic of a chat service instead: /generate, /v1/completions and /v1/chat/completions (JSON and
 SSE) with prompts of 10-500 words (about a token each) and 32-64 new tokens, no faults; each level lasts `--seconds`
 and also reports requests and generated tokens per second. Every level reports the daemon's own view from its
-/metrics beside the clients' (tokens generated; mean time to first token, queue time and prefill time).
+/metrics beside the clients' (tokens generated; mean time to first token, queue time and prefill time). A client's
+time to first token is its first SSE event with text: the OpenAI streams send no empty deltas, so with a model whose
+tokens often have no text (the random checkpoints' ids past their small vocabulary) theirs come later than
+/generate's, which sends every token; `ttft_by_kind` keeps them apart.
 
 At each concurrency level, that many clients send requests back to back until the level's count is done. The mix:
 /generate (JSON and SSE), /v1/chat/completions (JSON and SSE), /v1/completions (SSE), clients that drop a stream
@@ -163,6 +166,7 @@ class Load:
                         out["e2e"].append(time.monotonic() - started)
                         if first is not None:
                             out["ttft"].append(first)
+                            out["ttft_by_kind"][kind].append(first)
         except TimeoutError:
             out["hung"] += 1
         except aiohttp.ClientError as err:
@@ -188,7 +192,8 @@ class Load:
 
     async def level(self, clients: int, requests: int, seconds: float = 0.0) -> dict:
         """`clients` clients send requests back to back: `requests` of them in all, or for `seconds`."""
-        out = {"status": collections.Counter(), "ttft": [], "e2e": [], "hung": 0, "stream_errors": 0}
+        out = {"status": collections.Counter(), "ttft": [], "ttft_by_kind": collections.defaultdict(list), "e2e": [],
+               "hung": 0, "stream_errors": 0}
         kinds_of_mix = CHAT_KINDS if self.mix == "chat" else KINDS
         kinds = [kinds_of_mix[i % len(kinds_of_mix)] for i in range(requests)]
         self.random.shuffle(kinds)
@@ -222,6 +227,7 @@ class Load:
                 "status": dict(sorted(out["status"].items())), "hung": out["hung"],
                 "server_errors": sum(n for s, n in out["status"].items() if s.isdigit() and int(s) >= 500),
                 "stream_error_events": out["stream_errors"], "ttft": percentiles(out["ttft"]),
+                "ttft_by_kind": {kind: percentiles(values) for kind, values in sorted(out["ttft_by_kind"].items())},
                 "e2e": percentiles(out["e2e"]), "health": percentiles(out["health"]),
                 "health_not_ready": out["health_not_ready"], "health_failed": out["health_failed"]}
 
