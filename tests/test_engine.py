@@ -51,18 +51,43 @@ def _alone(model, spec) -> Request:
     return request
 
 
+@pytest.mark.parametrize("beside", [False, True], ids=["decode-after-chunks", "decode-between-layers"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_alone_equals_together_bit_for_bit(model, seed, monkeypatch):
+def test_alone_equals_together_bit_for_bit(model, seed, beside, monkeypatch):
     """Requests that start at other times, with other prompt lengths, greedy and seeded sampling, queueing
-    behind full slots, prefilling beside neighbours that decode: every logits row each one's tokens come from
-    is, bit for bit, the row it gets alone."""
+    behind full slots, prefilling beside neighbours that decode (their steps between the prompt chunks, or also
+    between a chunk's layers, as on a GPU): every logits row each one's tokens come from is, bit for bit, the row
+    it gets alone."""
     record_logits(monkeypatch)
     rng = random.Random(seed)
     specs = [_spec(rng) for _ in range(7)]
     starts = sorted(rng.randint(0, 25) for _ in specs)
-    requests = run_staggered(_engine(model), specs, starts)
+    requests = run_staggered(_engine(model, decode_beside_prompts=beside), specs, starts)
     for spec, request in zip(specs, requests):
         assert_same_logits(request, _alone(model, spec), f"request with a {len(spec['prompt_ids'])}-token prompt")
+
+
+def test_decode_steps_between_a_chunks_layers_emit_tokens_and_the_same_greedy_answers(model):
+    """With decode steps between a prompt chunk's layers, requests that decode get tokens while a long prompt
+    prefills (several per chunk, not one), and every greedy answer (the batch argmax path) is the one alone."""
+    engine = _engine(model, decode_beside_prompts=True)
+    rng = random.Random(5)
+    short = [Request(prompt_ids=[rng.randrange(1000) for _ in range(8)], max_tokens=40) for _ in range(3)]
+    for request in short:
+        engine.submit(request)
+    while any(not r.output_ids for r in short):
+        engine.step()
+    long = engine.submit(Request(prompt_ids=[rng.randrange(1000) for _ in range(4 * CHUNK)], max_tokens=2))
+    before = sum(len(r.output_ids) for r in short)
+    for _ in range(2):              # one chunk of the long prompt each, and the decode steps around it
+        engine.step()
+    assert long.output_ids == [] and sum(len(r.output_ids) for r in short) - before > 2 * len(short) * 2
+    engine.run_until_idle()
+    for request in [*short, long]:
+        alone = _engine(model)
+        twin = alone.submit(Request(prompt_ids=request.prompt_ids, max_tokens=request.max_tokens))
+        alone.run_until_idle()
+        assert request.output_ids == twin.output_ids
 
 
 def test_the_warm_up_runs_each_kind_of_prompt_chunk_and_leaves_no_trace(model, monkeypatch):
@@ -294,22 +319,27 @@ def test_background_thread_serves_and_cancels(model):
 
 
 def test_out_of_memory_in_a_chunk_is_retried_once_from_the_same_state(model, monkeypatch):
+    """The failed try ran decode steps of a neighbour between its layers: they stand, the retry redoes the chunk."""
     spec = _spec(random.Random(21)) | {"prompt_ids": [rng for rng in range(100, 180)]}
+    neighbour_spec = {"prompt_ids": [5, 6, 7], "max_tokens": 30}
     expected = _alone(model, spec).output_ids
-    engine = _engine(model)
+    engine = _engine(model, decode_beside_prompts=True)
+    neighbour = engine.submit(Request(**neighbour_spec))
+    engine.step()
     real_forward = type(model).forward
     calls = {"n": 0}
 
-    def flaky(self, token_ids, state, all_logits=False):
+    def flaky(self, token_ids, state, all_logits=False, **kw):
         calls["n"] += 1
         if calls["n"] == 2:           # fail the second chunk after it has updated some state
-            real_forward(self, token_ids, state, all_logits)
+            real_forward(self, token_ids, state, all_logits, **kw)
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_forward(self, token_ids, state, all_logits)
+        return real_forward(self, token_ids, state, all_logits, **kw)
     monkeypatch.setattr(type(model), "forward", flaky)
     request = engine.submit(Request(**spec))
     engine.run_until_idle()
     assert request.output_ids == expected
+    assert neighbour.output_ids == _alone(model, neighbour_spec).output_ids
 
 
 def test_out_of_memory_twice_fails_only_that_request(model, monkeypatch):
@@ -319,10 +349,10 @@ def test_out_of_memory_twice_fails_only_that_request(model, monkeypatch):
     engine.step()
     real_forward = type(model).forward
 
-    def oom_for_long(self, token_ids, state, all_logits=False):
+    def oom_for_long(self, token_ids, state, all_logits=False, **kw):
         if state is engine.pool.slots[doomed.slot].state:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_forward(self, token_ids, state, all_logits)
+        return real_forward(self, token_ids, state, all_logits, **kw)
     monkeypatch.setattr(type(model), "forward", oom_for_long)
     healthy = engine.submit(Request(**healthy_spec))
     engine.run_until_idle()

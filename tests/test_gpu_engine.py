@@ -73,12 +73,14 @@ def test_graph_decode_alone_equals_together(models, name, compiled):
         print(f"{name}: compiled decode gives the eager step's tokens for {same} of {len(specs)} requests")
 
 
+@pytest.mark.parametrize("beside", [True, False], ids=["decode-between-layers", "decode-after-chunks"])
 @pytest.mark.parametrize("name", NAMES)
-def test_alone_equals_together_on_every_logits_row(models, name, monkeypatch):
+def test_alone_equals_together_on_every_logits_row(models, name, beside, monkeypatch):
     """Not only the tokens: every logits row a request's tokens come from is, bit for bit, the row it gets
-    alone, whatever its neighbours do (prefill beside decode included)."""
+    alone, whatever its neighbours do (prefill beside decode included, their steps also queued between a prompt
+    chunk's layers, as a GPU engine does by default, or not)."""
     record_logits(monkeypatch)
-    engine = Engine(models[name], slots=4, context=CONTEXT, chunk=CHUNK)
+    engine = Engine(models[name], slots=4, context=CONTEXT, chunk=CHUNK, decode_beside_prompts=beside)
     specs = _specs()
     alone = [run_staggered(engine, [spec], [0])[0] for spec in specs]
     for starts in ([0, 3, 7, 12], [9, 0, 2, 5]):

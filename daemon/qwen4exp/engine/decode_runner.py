@@ -19,6 +19,24 @@ from .state import StateBatch
 log = logging.getLogger("qwen4exp.engine")
 
 
+class LaunchedStep:
+    """A decode step queued on the device: its logits [rows, V] (the runner's output, valid until the next step)
+    and, when asked for, every row's argmax on its way to host memory, so that the host can go on queueing other
+    work and read the tokens once `done()`."""
+
+    def __init__(self, logits: torch.Tensor, argmax_host: torch.Tensor | None, event: torch.cuda.Event | None):
+        self.logits, self._argmax_host, self._event = logits, argmax_host, event
+
+    def done(self) -> bool:
+        """Whether the device has finished the step (always, off a GPU: the step ran as it was launched)."""
+        return self._event is None or self._event.query()
+
+    def argmax(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._argmax_host.tolist()
+
+
 class DecodeRunner:
     def __init__(self, model: Qwen4ExpForCausalLM, states: StateBatch, device: torch.device, graph: bool,
                  compile: bool = False):
@@ -30,6 +48,7 @@ class DecodeRunner:
         self._inputs = {name: torch.zeros(rows, dtype=t.dtype, device=device) for name, t in self._host.items()}
         self.rope = model.rope_table(states.capacity, device)
         self._copied = torch.cuda.Event() if pinned else None   # the host buffers are free again
+        self._argmax_host = torch.zeros(rows, dtype=torch.long, pin_memory=pinned)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
         self.capture_seconds = 0.0
@@ -59,6 +78,19 @@ class DecodeRunner:
         self.capture_seconds = time.perf_counter() - started
         log.info("decode step captured as a CUDA graph for %d rows in %.2f s", len(self.states.rows),
                  self.capture_seconds)
+
+    def launch(self, tokens: list[int], positions: list[int], active: list[bool], argmax: bool) -> LaunchedStep:
+        """`step`, with every row's argmax copied towards host memory behind it when `argmax`; returns at once
+        on a GPU. One launched step at a time: the next one reuses the logits and the argmax buffer."""
+        logits = self.step(tokens, positions, active)
+        if not argmax:
+            return LaunchedStep(logits, None, None)
+        if self.device.type != "cuda":
+            return LaunchedStep(logits, torch.argmax(logits, dim=-1), None)
+        self._argmax_host.copy_(torch.argmax(logits, dim=-1), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedStep(logits, self._argmax_host, event)
 
     def step(self, tokens: list[int], positions: list[int], active: list[bool]) -> torch.Tensor:
         """Logits [rows, V] for one token per row; advances the state of the active rows only (their

@@ -10,6 +10,7 @@ numbers never depend on its neighbours.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -18,7 +19,7 @@ from array import array
 import numpy
 import torch
 
-from .decode_runner import DecodeRunner
+from .decode_runner import DecodeRunner, LaunchedStep
 from .engine_config import EngineConfig
 from .memory import release_cached_blocks, run_with_oom_retry
 from .model.causal_lm import Qwen4ExpForCausalLM
@@ -30,6 +31,11 @@ from .stops import StopMatcher
 from .warm_up import warm_up
 
 log = logging.getLogger("qwen4exp.engine")
+
+# Prompt chunks of up to this many rows get decode steps between their layers (on a GPU): on the H200 such a chunk
+# keeps the device busy for a third to a half of its time, the rest being the host's launches (docs/PERFORMANCE.md,
+# short prompts); longer chunks keep the device busy themselves.
+BESIDE_PROMPT_ROWS = 512
 
 
 def _ids_in_range(ids, vocab: int) -> bool:
@@ -55,7 +61,8 @@ def _position_logprobs(logits: torch.Tensor, token: int, top: int) -> PositionLo
 class Engine:
     def __init__(self, model: Qwen4ExpForCausalLM, slots: int = 4, context: int = 4096, chunk: int = 512,
                  restore_spacing: int | None = None, queue_limit: int = 64, tokenizer=None,
-                 prefix_cache: PrefixCache | None = None, cuda_graphs: bool = True, compile_decode: bool = False):
+                 prefix_cache: PrefixCache | None = None, cuda_graphs: bool = True, compile_decode: bool = False,
+                 decode_beside_prompts: bool | None = None):
         cfg = model.config
         spacing = restore_spacing or (prefix_cache.spacing if prefix_cache is not None else chunk)
         if not 1 <= slots <= 8:
@@ -78,6 +85,11 @@ class Engine:
         self.device = model.lm_head.weight.device
         self.pool = SlotPool.allocate(model, slots, context)
         self.decoder = DecodeRunner(model, self.pool.states, self.device, graph=cuda_graphs, compile=compile_decode)
+        # Decode steps between a short prompt chunk's layers (`_decode_beside`): on a GPU, where such a chunk keeps
+        # the host busy and the device mostly idle. Elsewhere they would only take turns with the chunk's work.
+        self.decode_beside_prompts = self.device.type == "cuda" if decode_beside_prompts is None \
+            else decode_beside_prompts
+        self._launched: tuple[LaunchedStep, list[Slot]] | None = None
         self.queue_limit = queue_limit
         self._queue: collections.deque[Request] = collections.deque()
         self._cancelled: set[str] = set()
@@ -258,13 +270,20 @@ class Engine:
             ids = torch.tensor(request.prompt_ids[begin:end], dtype=torch.long, device=self.device)
             saved = [t.clone() for t in slot.state.carried()]
 
+            beside = functools.partial(self._decode_beside, slot, end) \
+                if self.decode_beside_prompts and end - begin <= BESIDE_PROMPT_ROWS else None
+
             def run_chunk(saved: list[torch.Tensor] = saved) -> torch.Tensor:
                 for target, copy in zip(slot.state.carried(), saved):
                     target.copy_(copy)          # a retry starts from the state before the failed try
                 slot.state.length = begin
-                return self.model(ids, slot.state)
+                return self.model(ids, slot.state, between_layers=beside)
 
-            logits = run_with_oom_retry(run_chunk, self.device, f"the prompt chunk {begin}..{end} of {request.id}")
+            try:
+                logits = run_with_oom_retry(run_chunk, self.device,
+                                            f"the prompt chunk {begin}..{end} of {request.id}")
+            finally:
+                self._finish_decode()
             del saved, run_chunk
             slot.prefilled = end
             if self.prefix_cache is not None and self._keeps_snapshot_at(end, len(request.prompt_ids)):
@@ -295,15 +314,35 @@ class Engine:
         return not later_point
 
     def _decode(self) -> None:
+        self._launch_decode()
+        self._finish_decode()
+
+    def _decode_beside(self, prompt_slot: Slot, end: int) -> None:
+        """Between two layers of `prompt_slot`'s chunk (ending at `end`): take the launched decode step's tokens if
+        the device is done with it, then launch the next one. The device runs each step while the host queues the
+        chunk's next layers; every row's computation is the one a step between chunks makes, so no token changes.
+        The prompt's slot is an idle row of these steps: its scratch writes go to `end`, past the chunk."""
+        if self._launched is not None:
+            if not self._launched[0].done():
+                return
+            self._finish_decode()
+        self._launch_decode({prompt_slot.index: end})
+
+    def _launch_decode(self, idle_positions: dict[int, int] | None = None) -> None:
+        """Queue one decode step over every decoding slot (advancing their lengths); its tokens are taken by
+        `_finish_decode`. An idle row's position-indexed writes land at its length, or at `idle_positions`."""
         active = [s for s in self.pool.slots if s.decoding]
         if not active:
             return
+        idle_positions = idle_positions or {}
         tokens = [s.next_token if s.decoding else 0 for s in self.pool.slots]
+        positions = [s.state.length if s.decoding else idle_positions.get(s.index, s.state.length)
+                     for s in self.pool.slots]
         try:
             for slot in active:
                 slot.state.check_room(1)
-            logits = self.decoder.step(tokens, [s.state.length for s in self.pool.slots],
-                                       [s.decoding for s in self.pool.slots])
+            launched = self.decoder.launch(tokens, positions, [s.decoding for s in self.pool.slots],
+                                           argmax=any(s.sampler.takes_argmax for s in active))
         except Exception as err:  # noqa: BLE001 - the batch failed: fail its requests, keep serving
             log.exception("decode step failed")
             for slot in active:
@@ -311,17 +350,24 @@ class Engine:
             return
         for slot in active:
             slot.state.length += 1
+        self._launched = (launched, active)
+
+    def _finish_decode(self) -> None:
+        """Choose each decoding slot's token from the launched step (every greedy row's from one argmax)."""
+        if self._launched is None:
+            return
+        (launched, active), self._launched = self._launched, None
         argmax = None
         for slot in active:
             try:
                 sampler = slot.sampler
                 if sampler.takes_argmax:
-                    if argmax is None:  # every greedy row's token from one kernel and one wait for the device
-                        argmax = torch.argmax(logits, dim=-1).tolist()
+                    if argmax is None:
+                        argmax = launched.argmax()
                     token = sampler.take(argmax[slot.index])
                 else:
-                    token = sampler(logits[slot.index])
-                self._accept(slot, token, logits[slot.index])
+                    token = sampler(launched.logits[slot.index])
+                self._accept(slot, token, launched.logits[slot.index])
             except Exception as err:  # noqa: BLE001
                 log.exception("sampling failed for %s", slot.request.id)
                 self._finish(slot, slot.request, FinishReason.ERROR, f"{type(err).__name__}: {err}")

@@ -8,6 +8,8 @@ moved or cast.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -78,15 +80,18 @@ class Qwen4ExpForCausalLM(nn.Module):
         return self.rotary.cos_sin(torch.arange(capacity, device=device), self.lm_head.weight.dtype)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, state: SequenceState, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, state: SequenceState, all_logits: bool = False,
+                between_layers: Callable[[], None] | None = None) -> torch.Tensor:
         """A prompt chunk: token_ids [n] at positions state.length.. of one sequence. Returns the logits of its
-        last token [V] (of every token [n, V] with all_logits) and advances the state."""
+        last token [V] (of every token [n, V] with all_logits) and advances the state. `between_layers` is called
+        after each layer but the last (the engine queues other sequences' decode steps there); it must leave this
+        sequence's state as it found it."""
         n = token_ids.numel()
         if n == 0:
             raise ValueError("a chunk needs at least one token")
         state.check_room(n)
         step = Step.chunk(self.ops, token_ids, state, self.rope(state.length + n, token_ids.device))
-        hidden, _ = self.run(step)
+        hidden, _ = self.run(step, between_layers)
         state.length += n
         logits = self.ops.linear(hidden if all_logits else hidden[-1:], self.lm_head.weight, step)
         return logits if all_logits else logits[0]
@@ -107,13 +112,16 @@ class Qwen4ExpForCausalLM(nn.Module):
         hidden, _ = self.run(step)
         return self.ops.linear(hidden, self.lm_head.weight, step)
 
-    def run(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, step: Step, between_layers: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers over a step -> (the mixed hidden rows [T, H] for the LM head, the streams [T, hc*H] they
         were mixed from). Lengths are the caller's to advance."""
         streams = self.ops.table_rows(self.model.embed_tokens, step.token_ids).repeat(1, self.config.hc_count)
         pending = None
-        for layer in self.model.layers:
+        last = len(self.model.layers) - 1
+        for index, layer in enumerate(self.model.layers):
             streams, pending = layer(streams, step, pending)
+            if between_layers is not None and index < last:
+                between_layers()
         streams, hidden, _ = self.model.hyper_connection_mixer(streams, step, inject=pending)
         return hidden, streams
 
