@@ -19,7 +19,20 @@ def test_the_tiny_profile_is_the_engine_it_describes():
     assert config == EngineConfig(model=str(EMBEDDED_MODEL), device="cpu", dtype="float32", slots=4, max_ctx=4096,
                                   chunk=64, restore_spacing=64, prefix_cache=True, prefix_cache_limit=64 * MiB,
                                   device_memory_limit=None, queue_limit=64, cuda_graphs=True, compile_decode=False,
-                                  ple="auto")
+                                  decode_beside_prompts=False, ple="auto")
+
+
+def test_decode_beside_prompts_goes_from_the_profile_to_the_engine(tiny_checkpoint):
+    from qwen4exp.config import ConfigError
+    from qwen4exp.engine.engine import Engine
+    from qwen4exp.engine.loading import load_model
+
+    config = EngineConfig.from_settings(load_settings("tiny", env={"QWEN4EXP_DECODE_BESIDE_PROMPTS": "true"}))
+    assert config.decode_beside_prompts is True
+    model = load_model(str(tiny_checkpoint), dtype="float32", device="cpu", progress=False)
+    assert Engine.from_config(model, config, context=256).decode_beside_prompts is True
+    with pytest.raises(ConfigError, match="decode_beside_prompts"):
+        load_settings("tiny", env={"QWEN4EXP_DECODE_BESIDE_PROMPTS": "sometimes"})
 
 
 def test_a_gpu_profile_takes_the_automatic_chunk_and_its_devices_limit(tmp_path):

@@ -189,6 +189,9 @@ class Settings(BaseSettings):
                                "Replay each decode step from a CUDA graph on a GPU target; `false` runs it eagerly.")
     compile_decode: bool = _field(False, "true or false",
                                   "torch.compile the decode step on a GPU target (fewer, fused kernels; slower start).")
+    decode_beside_prompts: bool = _field(False, "true or false",
+                                         "Queue the other slots' decode steps between the layers of a prompt chunk of "
+                                         "up to 512 rows, while the host launches it (no token changes).")
     ple: Annotated[Literal["auto", "device", "host"], BeforeValidator(_lower)] = _field(
         "auto", "'auto', 'device' or 'host'",
         "Where a GGUF's quantized PLE n-gram table lives: `host` keeps it in pinned system memory (the GPU reads the "

@@ -32,9 +32,9 @@ from .warm_up import warm_up
 
 log = logging.getLogger("qwen4exp.engine")
 
-# Prompt chunks of up to this many rows get decode steps between their layers (on a GPU): on the H200 such a chunk
-# keeps the device busy for a third to a half of its time, the rest being the host's launches (docs/PERFORMANCE.md,
-# short prompts); longer chunks keep the device busy themselves.
+# Prompt chunks of up to this many rows get decode steps between their layers (decode_beside_prompts): on the H200
+# such a chunk keeps the device busy for a third to a half of its time, the rest being the host's launches
+# (docs/PERFORMANCE.md, short prompts); longer chunks keep the device busy themselves.
 BESIDE_PROMPT_ROWS = 512
 
 
@@ -62,7 +62,7 @@ class Engine:
     def __init__(self, model: Qwen4ExpForCausalLM, slots: int = 4, context: int = 4096, chunk: int = 512,
                  restore_spacing: int | None = None, queue_limit: int = 64, tokenizer=None,
                  prefix_cache: PrefixCache | None = None, cuda_graphs: bool = True, compile_decode: bool = False,
-                 decode_beside_prompts: bool | None = None):
+                 decode_beside_prompts: bool = False):
         cfg = model.config
         spacing = restore_spacing or (prefix_cache.spacing if prefix_cache is not None else chunk)
         if not 1 <= slots <= 8:
@@ -85,10 +85,9 @@ class Engine:
         self.device = model.lm_head.weight.device
         self.pool = SlotPool.allocate(model, slots, context)
         self.decoder = DecodeRunner(model, self.pool.states, self.device, graph=cuda_graphs, compile=compile_decode)
-        # Decode steps between a short prompt chunk's layers (`_decode_beside`): on a GPU, where such a chunk keeps
-        # the host busy and the device mostly idle. Elsewhere they would only take turns with the chunk's work.
-        self.decode_beside_prompts = self.device.type == "cuda" if decode_beside_prompts is None \
-            else decode_beside_prompts
+        # Decode steps between a short prompt chunk's layers (`_decode_beside`): for a GPU, where such a chunk keeps
+        # the host busy and the device mostly idle; on a CPU they would only take turns with the chunk's work.
+        self.decode_beside_prompts = decode_beside_prompts
         self._launched: tuple[LaunchedStep, list[Slot]] | None = None
         self.queue_limit = queue_limit
         self._queue: collections.deque[Request] = collections.deque()
@@ -112,7 +111,8 @@ class Engine:
             context = config.max_ctx
         return cls(model, slots=config.slots, context=context, chunk=config.chunk,
                    restore_spacing=config.restore_spacing, queue_limit=config.queue_limit, tokenizer=tokenizer,
-                   prefix_cache=prefix_cache, cuda_graphs=config.cuda_graphs, compile_decode=config.compile_decode)
+                   prefix_cache=prefix_cache, cuda_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
+                   decode_beside_prompts=config.decode_beside_prompts)
 
     def warm_up(self) -> float:
         """Compile every kernel a prompt can launch, on the first slot, before serving (warm_up.py); the
