@@ -6,7 +6,8 @@ before), and the time from its submission to the moment the engine takes its fir
 - forward: the model's prompt chunks (the device synchronised around each, so its kernels count here; a Triton
   compile on a new length counts here too, which is why each length is sent twice, with other tokens);
 - sampling: the first token drawn from the last chunk's logits;
-- capture / restore: prefix-cache snapshots taken at restore points, and the lookup of a cached prefix;
+- capture / restore: prefix-cache snapshots taken at restore points before the token (the prompt's last one
+  is taken after it, off its path), and the lookup of a cached prefix;
 - release: the allocator's cached blocks given back to the device when the prompt ends;
 - host: the rest (scheduling, the step's bookkeeping, copying the ids to the device, the state saved for an
   out-of-memory retry).
@@ -60,7 +61,7 @@ def _patched(owner, name: str, wrap):
 def first_token_parts(engine: Engine, prompt: list[int], device: torch.device) -> dict:
     """Submit `prompt` (one new token) and step until its first token, timing each part; the request is run to
     its end before returning."""
-    seconds = dict.fromkeys(PARTS, 0.0)
+    calls: list[tuple[str, float, float]] = []     # (part, when it began, seconds)
 
     def timed(part: str):
         def wrap(fn):
@@ -71,7 +72,7 @@ def first_token_parts(engine: Engine, prompt: list[int], device: torch.device) -
                     return fn(*args, **kwargs)
                 finally:
                     _sync(device)
-                    seconds[part] += time.perf_counter() - started
+                    calls.append((part, started, time.perf_counter() - started))
             return call
         return wrap
 
@@ -86,7 +87,9 @@ def first_token_parts(engine: Engine, prompt: list[int], device: torch.device) -
         request, took = first_token(engine, prompt, 1, device)
         new_segments = None if segments is None else _segments(device) - segments
     engine.run_until_idle()
-    parts = {part: seconds[part] for part in PARTS}
+    # What ran after the token was taken (the prompt's last snapshot) is not on its path.
+    taken = request.first_token_at if request.first_token_at is not None else float("inf")
+    parts = {part: sum(took for name, began, took in calls if name == part and began < taken) for part in PARTS}
     parts["host"] = max(0.0, took - sum(parts.values()))
     return {"tokens": len(prompt), "ttft_s": took, "parts_s": parts, "new_device_segments": new_segments,
             "finish_reason": request.finish_reason.value if request.finish_reason else None,

@@ -148,6 +148,19 @@ def test_long_prompt_takes_log_many_snapshots(model, length, kept):
     assert warm.cached_tokens == kept[-1]
 
 
+def test_the_first_token_goes_out_before_the_prompts_last_snapshot(model):
+    """The last restore point's capture waits until the first token is handed out; the snapshot is the same
+    (a resend restores it and answers as cold)."""
+    cache = _cache(model)
+    seen = []
+    prompt = _prompt(48, seed=12)        # restore points 16 and 32 (1 and 2 chunks), then 48, the last
+    cold, = _run(_engine(model, cache), Request(prompt_ids=prompt, max_tokens=3,
+                                                on_token=lambda r, t, text: seen.append(cache.counters.captures)))
+    assert seen[0] == 2 and cache.counters.captures == 3
+    warm, = _run(_engine(model, cache), Request(prompt_ids=prompt, max_tokens=3))
+    assert warm.cached_tokens == 48 and warm.output_ids == cold.output_ids
+
+
 def test_engine_refuses_a_cache_cut_on_another_grid(model):
     cache = _cache(model)
     _engine(model, cache)

@@ -286,10 +286,16 @@ class Engine:
                 self._finish_decode()
             del saved, run_chunk
             slot.prefilled = end
-            if self.prefix_cache is not None and self._keeps_snapshot_at(end, len(request.prompt_ids)):
-                self.prefix_cache.capture(request.prompt_ids[:end], slot.state, logits)
-            if end == len(request.prompt_ids):
+            snapshot = self.prefix_cache is not None and self._keeps_snapshot_at(end, len(request.prompt_ids))
+            if end < len(request.prompt_ids):
+                if snapshot:
+                    self.prefix_cache.capture(request.prompt_ids[:end], slot.state, logits)
+            else:
+                # The first token goes out before the prompt's last snapshot is taken (a pinned allocation and the
+                # prefix's copy); nothing runs on the slot in between, so the snapshot is the same.
                 self._accept(slot, slot.sampler(logits), logits)
+                if snapshot:
+                    self.prefix_cache.capture(request.prompt_ids[:end], slot.state, logits)
                 del logits
                 # The prompt's chunk temporaries go back to the device once the prompt is done; between its
                 # chunks the allocator keeps them for the next chunk, which needs the same blocks (emptying
