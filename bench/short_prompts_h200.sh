@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The short-prompt and chat-traffic measurements of docs/PERFORMANCE.md ("Short prompts and chat traffic"), in one
+# run on a GPU host, so that one device lease takes them all:
+#   1. bench/speed.py: decode, prefill and cold prompts of 128..262144 tokens split into their parts;
+#   2. the 8-layer bench checkpoint written to CHECKPOINT (kept if it is there), served by the h200 profile,
+#      once with decode_beside_prompts off and once on: the chat load (bench/load.py --mix chat) and cold prompts
+#      through the daemon (bench/daemon_prompts.py) each time.
+#
+# Usage: bench/short_prompts_h200.sh OUT_DIR [CHECKPOINT]      (CHECKPOINT default /tmp/bench8)
+# Knobs: LOAD_SECONDS=30 (each load level), LEVELS=1,4,16,64, SKIP_SPEED=1, PORT=8077.
+set -uo pipefail
+
+out=${1:?usage: bench/short_prompts_h200.sh OUT_DIR [CHECKPOINT]}
+checkpoint=${2:-/tmp/bench8}
+port=${PORT:-8077}
+url=http://127.0.0.1:$port
+mkdir -p "$out"
+
+if [ -z "${SKIP_SPEED:-}" ]; then
+    python3 bench/speed.py --random-weights --preset bench --layers 8 --dtype bfloat16 --device cuda --slots 4 \
+        --chunk 2048 --busy 1,4 --prefill 512,4096,16384 --decode-steps 32 \
+        --ttft-prompts 128,512,2048,16384,65536,262144 --out "$out/speed.json" > "$out/speed.log" 2>&1
+    echo "speed: rc $?"
+fi
+
+if [ ! -d "$checkpoint" ]; then
+    qwen4exp init-checkpoint --preset bench --layers 8 --out "$checkpoint" --device cuda > "$out/init.log" 2>&1 \
+        || { echo "init-checkpoint failed: $out/init.log"; exit 1; }
+fi
+
+for beside in false true; do
+    QWEN4EXP_MODEL=$checkpoint QWEN4EXP_DECODE_BESIDE_PROMPTS=$beside \
+        qwen4exp serve --profile h200 --port "$port" > "$out/serve_beside_$beside.log" 2>&1 &
+    server=$!
+    started=$(date +%s)
+    until [ "$(curl -s -o /dev/null -w '%{http_code}' "$url/health")" = 200 ]; do
+        kill -0 $server 2>/dev/null || { echo "the daemon exited: $out/serve_beside_$beside.log"; exit 1; }
+        [ $(( $(date +%s) - started )) -gt 300 ] && { echo "not ready after 300 s"; kill $server; exit 1; }
+        sleep 1
+    done
+    echo "beside=$beside: ready after $(( $(date +%s) - started )) s"
+    curl -s "$url/props" > "$out/props_beside_$beside.json"
+    python3 bench/load.py --url "$url" --mix chat --seconds "${LOAD_SECONDS:-30}" --levels "${LEVELS:-1,4,16,64}" \
+        --out "$out/load_chat_beside_$beside.json" > "$out/load_beside_$beside.log" 2>&1
+    echo "beside=$beside: load rc $?"
+    python3 bench/daemon_prompts.py --url "$url" --lengths 16384,250000 --repeats 3 \
+        --out "$out/daemon_prompts_beside_$beside.json" > "$out/daemon_prompts_beside_$beside.log" 2>&1
+    echo "beside=$beside: prompts rc $?"
+    kill $server
+    wait $server
+done
