@@ -152,6 +152,26 @@ def test_logprobs_are_those_of_the_logits_each_token_came_from(model, monkeypatc
         engine.submit(Request(prompt_ids=[1], max_tokens=1, logprobs=21))
 
 
+@pytest.mark.parametrize("neighbour", [{"logprobs": 2}, {"sampling": SamplingParams(repetition_penalty=1.3)}],
+                         ids=["log-probabilities", "penalised-greedy"])
+def test_a_neighbour_choosing_on_the_device_gets_no_steps_between_layers(model, neighbour):
+    """A decoding row whose token or log-probabilities are computed on the device's logits would make the host
+    wait at every layer: with one decoding, a chunk runs its layers alone and the step after it serves all."""
+    engine = _engine(model, decode_beside_prompts=True)
+    spec = {"prompt_ids": [3, 4, 5], "max_tokens": 30, **neighbour}
+    decoding = engine.submit(Request(**spec))
+    engine.step()
+    long = engine.submit(Request(prompt_ids=[7] * (3 * CHUNK), max_tokens=1))
+    before = len(decoding.output_ids)
+    engine.step()                    # the long prompt's first chunk, then one decode step
+    assert len(decoding.output_ids) - before == 1
+    engine.run_until_idle()
+    twin_engine = _engine(model)
+    twin = twin_engine.submit(Request(**spec))
+    twin_engine.run_until_idle()
+    assert decoding.output_ids == twin.output_ids and long.finish_reason is FinishReason.LENGTH
+
+
 def test_admission_is_first_in_first_out(model):
     engine = _engine(model, slots=1)
     requests = [engine.submit(Request(prompt_ids=[3 + i] * 5, max_tokens=2)) for i in range(4)]

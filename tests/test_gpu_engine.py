@@ -77,8 +77,8 @@ def test_graph_decode_alone_equals_together(models, name, compiled):
 @pytest.mark.parametrize("name", NAMES)
 def test_alone_equals_together_on_every_logits_row(models, name, beside, monkeypatch):
     """Not only the tokens: every logits row a request's tokens come from is, bit for bit, the row it gets
-    alone, whatever its neighbours do (prefill beside decode included, their steps also queued between a prompt
-    chunk's layers, as a GPU engine does by default, or not)."""
+    alone, whatever its neighbours do (prefill beside decode included, with their steps also queued between a
+    prompt chunk's layers, as `decode_beside_prompts` has them, or not)."""
     record_logits(monkeypatch)
     engine = Engine(models[name], slots=4, context=CONTEXT, chunk=CHUNK, decode_beside_prompts=beside)
     specs = _specs()

@@ -3,7 +3,8 @@
 A graph replays the whole step (hundreds of kernels) with one launch and no host work in between; its
 inputs are three small device tensors (tokens, positions, active rows) refreshed from pinned host memory
 before each replay. It is captured once, while every slot is empty, so the warm-up runs touch no live
-sequence (inactive rows keep their state; their position-indexed writes land where nothing is read).
+sequence (inactive rows keep their state; their position-indexed writes land where nothing is read: at the
+position the engine gives them, their length or, for a prompt whose chunk is in flight, the chunk's end).
 """
 
 from __future__ import annotations
@@ -20,21 +21,32 @@ log = logging.getLogger("qwen4exp.engine")
 
 
 class LaunchedStep:
-    """A decode step queued on the device: its logits [rows, V] (the runner's output, valid until the next step)
-    and, when asked for, every row's argmax on its way to host memory, so that the host can go on queueing other
-    work and read the tokens once `done()`."""
+    """A decode step queued on the device: its logits [rows, V] (the runner's output, valid until the next step),
+    and, on their way to host memory, every row's argmax and the whole logits of the rows asked for, so that the
+    host can go on queueing other work and choose the tokens once `done()`."""
 
-    def __init__(self, logits: torch.Tensor, argmax_host: torch.Tensor | None, event: torch.cuda.Event | None):
-        self.logits, self._argmax_host, self._event = logits, argmax_host, event
+    def __init__(self, logits: torch.Tensor, argmax: torch.Tensor | None, host_rows: dict[int, torch.Tensor],
+                 event: torch.cuda.Event | None):
+        self.logits, self._argmax, self._host_rows, self._event = logits, argmax, host_rows, event
 
     def done(self) -> bool:
         """Whether the device has finished the step (always, off a GPU: the step ran as it was launched)."""
         return self._event is None or self._event.query()
 
-    def argmax(self) -> list[int]:
+    def _wait(self) -> None:
         if self._event is not None:
             self._event.synchronize()
-        return self._argmax_host.tolist()
+
+    def argmax(self) -> list[int]:
+        self._wait()
+        return self._argmax.tolist()
+
+    def row(self, index: int) -> torch.Tensor:
+        """Row `index` of the logits: its host copy when one was asked for (the same bits), else the device's."""
+        if index not in self._host_rows:
+            return self.logits[index]
+        self._wait()
+        return self._host_rows[index]
 
 
 class DecodeRunner:
@@ -49,6 +61,7 @@ class DecodeRunner:
         self.rope = model.rope_table(states.capacity, device)
         self._copied = torch.cuda.Event() if pinned else None   # the host buffers are free again
         self._argmax_host = torch.zeros(rows, dtype=torch.long, pin_memory=pinned)
+        self._logits_host: torch.Tensor | None = None     # [rows, V] pinned, made at the first launch that needs it
         self.graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
         self.capture_seconds = 0.0
@@ -79,18 +92,26 @@ class DecodeRunner:
         log.info("decode step captured as a CUDA graph for %d rows in %.2f s", len(self.states.rows),
                  self.capture_seconds)
 
-    def launch(self, tokens: list[int], positions: list[int], active: list[bool], argmax: bool) -> LaunchedStep:
-        """`step`, with every row's argmax copied towards host memory behind it when `argmax`; returns at once
-        on a GPU. One launched step at a time: the next one reuses the logits and the argmax buffer."""
+    def launch(self, tokens: list[int], positions: list[int], active: list[bool], argmax: bool,
+               host_rows: tuple[int, ...] = ()) -> LaunchedStep:
+        """`step`, with every row's argmax (when `argmax`) and the logits of `host_rows` copied towards host memory
+        behind it, then an event: on a GPU the host need not wait for the step until it takes its tokens. One
+        launched step at a time: the next one reuses the logits and the host buffers."""
         logits = self.step(tokens, positions, active)
-        if not argmax:
-            return LaunchedStep(logits, None, None)
         if self.device.type != "cuda":
-            return LaunchedStep(logits, torch.argmax(logits, dim=-1), None)
-        self._argmax_host.copy_(torch.argmax(logits, dim=-1), non_blocking=True)
+            return LaunchedStep(logits, torch.argmax(logits, dim=-1) if argmax else None,
+                                {i: logits[i] for i in host_rows}, None)
+        if argmax:
+            self._argmax_host.copy_(torch.argmax(logits, dim=-1), non_blocking=True)
+        if host_rows and (self._logits_host is None or self._logits_host.shape != logits.shape
+                          or self._logits_host.dtype != logits.dtype):
+            self._logits_host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+        for i in host_rows:
+            self._logits_host[i].copy_(logits[i], non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return LaunchedStep(logits, self._argmax_host, event)
+        return LaunchedStep(logits, self._argmax_host if argmax else None,
+                            {i: self._logits_host[i] for i in host_rows}, event)
 
     def step(self, tokens: list[int], positions: list[int], active: list[bool]) -> torch.Tensor:
         """Logits [rows, V] for one token per row; advances the state of the active rows only (their

@@ -87,7 +87,9 @@ class Engine:
         self.decoder = DecodeRunner(model, self.pool.states, self.device, graph=cuda_graphs, compile=compile_decode)
         # Decode steps between a short prompt chunk's layers (`_decode_beside`): for a GPU, where such a chunk keeps
         # the host busy and the device mostly idle; on a CPU they would only take turns with the chunk's work.
-        self.decode_beside_prompts = decode_beside_prompts
+        # An eager step on a GPU allocates its temporaries; beside a chunk's it could run the device out of memory.
+        self.decode_beside_prompts = decode_beside_prompts and (self.decoder.graph is not None
+                                                                or self.device.type != "cuda")
         self._launched: tuple[LaunchedStep, list[Slot]] | None = None
         self.queue_limit = queue_limit
         self._queue: collections.deque[Request] = collections.deque()
@@ -295,7 +297,7 @@ class Engine:
                 # prefix's copy); nothing runs on the slot in between, so the snapshot is the same.
                 self._accept(slot, slot.sampler(logits), logits)
                 if snapshot:
-                    self.prefix_cache.capture(request.prompt_ids[:end], slot.state, logits)
+                    self._capture_after_first_token(request, end, slot, logits)
                 del logits
                 # The prompt's chunk temporaries go back to the device once the prompt is done; between its
                 # chunks the allocator keeps them for the next chunk, which needs the same blocks (emptying
@@ -319,6 +321,14 @@ class Engine:
                                                             prompt_length % self.restore_spacing == 0)
         return not later_point
 
+    def _capture_after_first_token(self, request: Request, end: int, slot: Slot, logits: torch.Tensor) -> None:
+        """The prompt's last snapshot. Its request has its first token (it may even be finished), so a failure
+        here is logged and costs only the snapshot."""
+        try:
+            self.prefix_cache.capture(request.prompt_ids[:end], slot.state, logits)
+        except Exception:  # noqa: BLE001 - a snapshot is an optimisation; the request stands
+            log.exception("the last prefix snapshot of %s was not taken", request.id)
+
     def _decode(self) -> None:
         self._launch_decode()
         self._finish_decode()
@@ -328,15 +338,23 @@ class Engine:
         the device is done with it, then launch the next one. The device runs each step while the host queues the
         chunk's next layers; every row's computation is the one a step between chunks makes, so no token changes.
         The prompt's slot is an idle row of these steps: its scratch writes go to `end`, past the chunk."""
-        if self._launched is not None:
-            if not self._launched[0].done():
-                return
+        if self._launched is not None and not self._launched[0].done():
+            return
+        # Each row's token must come from the batch argmax or from a host copy of its logits (the same bits; sampling
+        # moves them to the host anyway). A penalised greedy row or one with log-probabilities computes on the
+        # device's logits, which would make the host wait for the chunk's queued layers at every boundary: with
+        # one of those decoding, the steps wait for the chunk's end.
+        if any(s.request.logprobs is not None or (s.sampler.params.greedy and s.sampler.params.penalized)
+               for s in self.pool.slots if s.decoding):
+            return
+        with torch.inference_mode(False):       # what the steps make outlives the chunk's inference mode
             self._finish_decode()
-        self._launch_decode({prompt_slot.index: end})
+            self._launch_decode({prompt_slot.index: end}, host_sampling=True)
 
-    def _launch_decode(self, idle_positions: dict[int, int] | None = None) -> None:
+    def _launch_decode(self, idle_positions: dict[int, int] | None = None, host_sampling: bool = False) -> None:
         """Queue one decode step over every decoding slot (advancing their lengths); its tokens are taken by
-        `_finish_decode`. An idle row's position-indexed writes land at its length, or at `idle_positions`."""
+        `_finish_decode`. An idle row's position-indexed writes land at its length, or at `idle_positions`.
+        `host_sampling`: the logits of the rows drawn by sampling travel to host memory behind the step."""
         active = [s for s in self.pool.slots if s.decoding]
         if not active:
             return
@@ -347,8 +365,9 @@ class Engine:
         try:
             for slot in active:
                 slot.state.check_room(1)
+            host_rows = tuple(s.index for s in active if not s.sampler.takes_argmax) if host_sampling else ()
             launched = self.decoder.launch(tokens, positions, [s.decoding for s in self.pool.slots],
-                                           argmax=any(s.sampler.takes_argmax for s in active))
+                                           argmax=any(s.sampler.takes_argmax for s in active), host_rows=host_rows)
         except Exception as err:  # noqa: BLE001 - the batch failed: fail its requests, keep serving
             log.exception("decode step failed")
             for slot in active:
@@ -372,8 +391,8 @@ class Engine:
                         argmax = launched.argmax()
                     token = sampler.take(argmax[slot.index])
                 else:
-                    token = sampler(launched.logits[slot.index])
-                self._accept(slot, token, launched.logits[slot.index])
+                    token = sampler(launched.row(slot.index))
+                self._accept(slot, token, launched.row(slot.index))
             except Exception as err:  # noqa: BLE001
                 log.exception("sampling failed for %s", slot.request.id)
                 self._finish(slot, slot.request, FinishReason.ERROR, f"{type(err).__name__}: {err}")

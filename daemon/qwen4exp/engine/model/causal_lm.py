@@ -101,7 +101,8 @@ class Qwen4ExpForCausalLM(nn.Module):
                     states: StateBatch, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """One decode step over every row of `states` at fixed shapes, with no host synchronisation: row i
         takes token_ids[i] at positions[i]; rows not `active` leave their state as it was (their K/V and
-        indexer writes land at their own length, which is never read before it is written again).
+        indexer writes land at positions[i], which the caller points where nothing is read before it is written
+        again: the row's length, or past a prompt chunk in flight).
         Returns logits [N, V]; a row's logits depend only on its own sequence. Lengths are the caller's
         to advance. Captured once per engine as a CUDA graph on GPUs."""
         return self.decode_rows_impl(token_ids, positions, active, states, rope)
