@@ -161,6 +161,23 @@ def test_the_first_token_goes_out_before_the_prompts_last_snapshot(model):
     assert warm.cached_tokens == 48 and warm.output_ids == cold.output_ids
 
 
+def test_a_last_snapshot_that_fails_costs_only_the_snapshot(model, monkeypatch):
+    """The request already has its token (here it is even finished): it ends once, as it would have."""
+    cache = _cache(model)
+    real_capture = cache.capture
+
+    def capture(prefix, state, logits):
+        if len(prefix) == 48:
+            raise RuntimeError("pinned memory exhausted (simulated)")
+        return real_capture(prefix, state, logits)
+    monkeypatch.setattr(cache, "capture", capture)
+    finished = []
+    request, = _run(_engine(model, cache), Request(prompt_ids=_prompt(48, seed=13), max_tokens=1,
+                                                   on_finish=finished.append))
+    assert finished == [request] and request.finish_reason.value == "length" and request.error is None
+    assert sorted(_stored_lengths(cache)) == [16, 32]
+
+
 def test_engine_refuses_a_cache_cut_on_another_grid(model):
     cache = _cache(model)
     _engine(model, cache)
