@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from datagrams import until_quiet
 from live_server import ADMIN_KEY, API_KEY, Server
 
 MiB = 1 << 20
@@ -229,13 +230,7 @@ def test_serve_from_a_profile_notifies_systemd_and_stops_on_sigterm(tmp_path):
             conn.close()
             process.send_signal(signal.SIGTERM)
             assert process.wait(60) == 0
-            rest = []
-            systemd.settimeout(1)
-            try:
-                while True:
-                    rest.append(systemd.recv(4096))
-            except TimeoutError:
-                pass
+            rest = until_quiet(systemd, 1)
             assert any(m.startswith(b"STOPPING=1") for m in rest), rest
         finally:
             if process.poll() is None:

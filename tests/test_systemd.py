@@ -10,6 +10,7 @@ import pytest
 
 from qwen4exp.server.sd_notify import Notifier
 from qwen4exp.service_install import install, unit_text
+from datagrams import until_quiet
 
 
 def test_notify_sends_datagrams_to_the_socket(tmp_path, monkeypatch):
@@ -35,13 +36,7 @@ def test_fetching_the_model_extends_systemds_start_timeout_until_it_ends(tmp_pat
         server.settimeout(2)
         with Notifier(path).extending_start("fetching the model org/repo", every=0.05):
             time.sleep(0.3)
-        got = []
-        server.settimeout(0.2)
-        try:
-            while True:
-                got.append(server.recv(4096))
-        except TimeoutError:
-            pass
+        got = until_quiet(server, 0.2)
     assert len(got) >= 3 and set(got) == {b"EXTEND_TIMEOUT_USEC=150000\nSTATUS=fetching the model org/repo"}
 
 
