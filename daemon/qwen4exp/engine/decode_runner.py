@@ -93,16 +93,17 @@ class DecodeRunner:
                  self.capture_seconds)
 
     def launch(self, tokens: list[int], positions: list[int], active: list[bool], argmax: bool,
-               host_rows: tuple[int, ...] = ()) -> LaunchedStep:
-        """`step`, with every row's argmax (when `argmax`) and the logits of `host_rows` copied towards host memory
-        behind it, then an event: on a GPU the host need not wait for the step until it takes its tokens. One
-        launched step at a time: the next one reuses the logits and the host buffers."""
+               host_rows: tuple[int, ...] | None = None) -> LaunchedStep:
+        """`step`, with every row's argmax when `argmax`. `host_rows` None: the tokens are read from the device
+        when taken, which waits for the step. A tuple, on a GPU: the argmax and the logits of those rows travel to
+        pinned host memory behind the step, then an event, so the host need not wait for the step until `done()`.
+        One launched step at a time: the next one reuses the logits and the host buffers."""
         logits = self.step(tokens, positions, active)
-        if self.device.type != "cuda":
-            return LaunchedStep(logits, torch.argmax(logits, dim=-1) if argmax else None,
-                                {i: logits[i] for i in host_rows}, None)
-        if argmax:
-            self._argmax_host.copy_(torch.argmax(logits, dim=-1), non_blocking=True)
+        best = torch.argmax(logits, dim=-1) if argmax else None
+        if host_rows is None or self.device.type != "cuda":
+            return LaunchedStep(logits, best, {i: logits[i] for i in host_rows or ()}, None)
+        if best is not None:
+            self._argmax_host.copy_(best, non_blocking=True)
         if host_rows and (self._logits_host is None or self._logits_host.shape != logits.shape
                           or self._logits_host.dtype != logits.dtype):
             self._logits_host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)

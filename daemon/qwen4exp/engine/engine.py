@@ -365,7 +365,7 @@ class Engine:
         try:
             for slot in active:
                 slot.state.check_room(1)
-            host_rows = tuple(s.index for s in active if not s.sampler.takes_argmax) if host_sampling else ()
+            host_rows = tuple(s.index for s in active if not s.sampler.takes_argmax) if host_sampling else None
             launched = self.decoder.launch(tokens, positions, [s.decoding for s in self.pool.slots],
                                            argmax=any(s.sampler.takes_argmax for s in active), host_rows=host_rows)
         except Exception as err:  # noqa: BLE001 - the batch failed: fail its requests, keep serving
