@@ -22,8 +22,9 @@ log = logging.getLogger("qwen4exp.engine")
 
 class LaunchedStep:
     """A decode step queued on the device: its logits [rows, V] (the runner's output, valid until the next step),
-    and, on their way to host memory, every row's argmax and the whole logits of the rows asked for, so that the
-    host can go on queueing other work and choose the tokens once `done()`."""
+    every row's argmax (on the device, or on its way to pinned host memory) and host copies of the rows asked for;
+    with an event (`DecodeRunner.launch` with host rows, on a GPU), the host can go on queueing other work and take
+    the tokens once `done()`."""
 
     def __init__(self, logits: torch.Tensor, argmax: torch.Tensor | None, host_rows: dict[int, torch.Tensor],
                  event: torch.cuda.Event | None):
