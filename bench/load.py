@@ -235,11 +235,15 @@ class Load:
 SERVER_SIDE = ("time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds")
 
 
+def metrics_text(url: str, headers: dict) -> bytes:
+    import urllib.request
+    return urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=30).read()
+
+
 def server_counts(url: str, headers: dict) -> dict[str, float]:
     """The daemon's own counts so far (/metrics): generated tokens, and the sums and counts of its time to first
     token, queue time and prefill time histograms (summed over label sets)."""
-    import urllib.request
-    text = urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=30).read()
+    text = metrics_text(url, headers)
     out: dict[str, float] = collections.defaultdict(float)
     for name, value in re.findall(rb"^qwen4exp:(\w+?)(?:\{[^}]*\})? (\S+)$", text, re.M):
         out[name.decode()] += float(value)
@@ -257,8 +261,7 @@ def server_side(before: dict, after: dict) -> dict:
 
 
 def resident(url: str, headers: dict, server_pid: int | None) -> dict:
-    import urllib.request
-    text = urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=30).read()
+    text = metrics_text(url, headers)
     match = re.search(rb"^qwen4exp_worker_resident_bytes (\d+)", text, re.M)
     out = {"worker_rss_bytes": int(match.group(1)) if match else None}
     if server_pid is not None:

@@ -30,11 +30,7 @@ from qwen4exp.engine.engine_config import EngineConfig
 from qwen4exp.engine.request import Request
 
 from profile_step import add_model_arguments, bench_model
-
-
-def prompt(length: int, limit: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, limit, (length,), generator=g).tolist()
+from speed import prompt_ids as prompt
 
 
 def one_prompt_step(engine: Engine, ids: list[int]) -> Request:
