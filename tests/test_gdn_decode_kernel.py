@@ -1,6 +1,6 @@
 """The Gated DeltaNet decode kernels on the CPU through Triton's interpreter, against the torch forms the CPU
 engine uses: the delta-rule step (kernels/delta_rule.py: same outputs, the same advanced state for active rows,
-idle rows' state untouched, q/k/v read in place from the conv output), the causal conv step (kernels/conv.py, also
+idle rows' state untouched, q/k/v read in place from the conv output) and its loop over a short prompt chunk, the causal conv step (kernels/conv.py, also
 PLE's dilated conv) and the gated output norm (kernels/gated_norm.py). Run in a child process: TRITON_INTERPRET
 must be set before Triton is imported."""
 
@@ -91,6 +91,29 @@ for name in ("float32", "bfloat16"):
     results[f"{name} one row"] = {"out_err": (out.float() - want.float()).abs().max().item(),
                                   "out_scale": want.float().abs().max().item(),
                                   "state_err": (ours - theirs).abs().max().item()}
+    # A short prompt chunk token by token (chunk_tokens) against the decode step on each token in turn, and
+    # against the torch chunked form a CPU engine runs.
+    tokens = 37
+    conv_out = torch.randn(tokens, 2 * hk * dk + hv * dv, generator=gen).to(dtype)
+    q, k, v = torch.split(conv_out, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv))
+    gate_rows = torch.randn(tokens, 2 * hv + 3, generator=gen).to(dtype)
+    a, b = gate_rows[:, :hv], gate_rows[:, hv:2 * hv]
+    start = torch.randn(hv, dk, dv, generator=gen) * 0.1
+    chunked, stepped, torch_state = start.clone(), start[None].clone(), start.clone()
+    out = delta_rule_kernels.chunk_tokens(q, k, v, a, b, a_log, dt_bias, chunked)
+    steps = torch.cat([delta_rule_kernels.decode_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], a[t:t + 1], b[t:t + 1],
+                                                      a_log, dt_bias, one, stepped) for t in range(tokens)])
+    g, beta = delta_rule.gates(a, b, a_log, dt_bias)
+    want = delta_rule.chunked_gated_delta_rule(q, k, v, g, beta, torch_state)
+    results[f"{name} chunk tokens"] = {
+        "equal_to_steps": bool(torch.equal(out, steps) and torch.equal(chunked, stepped[0])),
+        "out_err": (out.float() - want.float()).abs().max().item(),
+        "out_scale": want.float().abs().max().item(),
+        "state_err": (chunked - torch_state).abs().max().item(),
+        "state_scale": torch_state.abs().max().item(),
+        "state_moved": (chunked - start).abs().max().item(),
+    }
 print(json.dumps(results))
 """
 
@@ -138,3 +161,53 @@ def test_gated_norm_kernel_matches_the_torch_norm(results, dtype):
     r = results[f"{dtype} gated norm"]
     assert r["out_scale"] > 0.1
     assert r["out_err"] <= (2 ** -7 if dtype == "bfloat16" else 1e-5) * max(1.0, r["out_scale"]), r
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_short_prompt_chunk_runs_as_its_decode_steps(results, dtype):
+    """chunk_tokens (a prompt chunk of up to TOKEN_LOOP_MAX tokens on a GPU) gives every output and the final
+    state of the decode step taken on each token in turn, and the torch chunked form's within its rounding."""
+    r = results[f"{dtype} chunk tokens"]
+    assert r["state_moved"] > 1e-3, r
+    assert r["equal_to_steps"], r
+    assert r["state_err"] <= 1e-4 * max(1.0, r["state_scale"]), r
+    # bf16: both round only the output, the torch form from another summation order.
+    assert r["out_err"] <= 1e-4 * r["out_scale"] + (1e-2 * r["out_scale"] if dtype == "bfloat16" else 0), r
+
+
+@pytest.mark.gpu
+def test_a_short_prompt_chunk_runs_as_its_decode_steps_on_gpu():
+    """The shipped model's Gated DeltaNet shapes in bfloat16 on the GPU: chunk_tokens gives the decode steps' outputs
+    and state bit for bit, and fla's chunked form's within its rounding (fla serves the longer chunks)."""
+    import torch
+    from qwen4exp.engine.model import delta_rule
+    from qwen4exp.kernels import delta_rule as delta_rule_kernels
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA/ROCm device")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hk, hv, dk, dv, tokens = 16, 48, 128, 128, delta_rule_kernels.TOKEN_LOOP_MAX
+    conv_out = torch.randn(tokens, 2 * hk * dk + hv * dv, generator=gen, device="cuda").bfloat16()
+    q, k, v = torch.split(conv_out, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv))
+    gate_rows = torch.randn(tokens, 2 * hv, generator=gen, device="cuda").bfloat16()
+    a, b = gate_rows[:, :hv], gate_rows[:, hv:]
+    a_log = torch.randn(hv, generator=gen, device="cuda").bfloat16()
+    dt_bias = torch.rand(hv, generator=gen, device="cuda").bfloat16()
+    start = torch.randn(hv, dk, dv, generator=gen, device="cuda") * 0.1
+    one = torch.ones(1, dtype=torch.bool, device="cuda")
+    chunked, stepped = start.clone(), start[None].clone()
+    with torch.inference_mode():
+        out = delta_rule_kernels.chunk_tokens(q, k, v, a, b, a_log, dt_bias, chunked)
+        steps = torch.cat([delta_rule_kernels.decode_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], a[t:t + 1],
+                                                          b[t:t + 1], a_log, dt_bias, one, stepped)
+                           for t in range(tokens)])
+    assert torch.equal(out, steps) and torch.equal(chunked, stepped[0])
+    if delta_rule_kernels.fla_available():
+        fla_state = start.clone()
+        g, beta = delta_rule.gates(a, b, a_log, dt_bias)
+        with torch.inference_mode():
+            want = delta_rule_kernels.fla_chunk(q, k, v, g, beta, fla_state)
+        scale = want.float().abs().max().item()
+        assert (out.float() - want.float()).abs().max().item() <= 2e-2 * scale
+        assert (chunked - fla_state).abs().max().item() <= 2e-2 * fla_state.abs().max().item()

@@ -32,10 +32,10 @@ from .warm_up import warm_up
 
 log = logging.getLogger("qwen4exp.engine")
 
-# Prompt chunks of up to this many rows get decode steps between their layers (decode_beside_prompts): on the H200
-# such a chunk keeps the device busy for a third to a half of its time, the rest being the host's launches
-# (docs/PERFORMANCE.md, short prompts); longer chunks keep the device busy themselves.
-BESIDE_PROMPT_ROWS = 512
+# A prompt chunk of up to this many rows is bound by the host's launches: on the H200 it keeps the device busy for a
+# third to a half of its time (docs/PERFORMANCE.md, short prompts). Such chunks get decode steps between their
+# layers (decode_beside_prompts), and a prompt this short leaves its few temporaries cached for the next one.
+SHORT_CHUNK_ROWS = 512
 
 
 def _ids_in_range(ids, vocab: int) -> bool:
@@ -269,11 +269,13 @@ class Engine:
         begin = slot.prefilled
         end = min(len(request.prompt_ids), (begin // self.chunk + 1) * self.chunk)
         try:
-            ids = torch.tensor(request.prompt_ids[begin:end], dtype=torch.long, device=self.device)
+            ids = torch.tensor(request.prompt_ids[begin:end], dtype=torch.long)
+            if self.device.type == "cuda":   # from pinned memory, so the host need not wait for the device
+                ids = ids.pin_memory().to(self.device, non_blocking=True)
             saved = [t.clone() for t in slot.state.carried()]
 
             beside = functools.partial(self._decode_beside, slot, end) \
-                if self.decode_beside_prompts and end - begin <= BESIDE_PROMPT_ROWS else None
+                if self.decode_beside_prompts and end - begin <= SHORT_CHUNK_ROWS else None
 
             def run_chunk(saved: list[torch.Tensor] = saved) -> torch.Tensor:
                 for target, copy in zip(slot.state.carried(), saved):
@@ -299,10 +301,12 @@ class Engine:
                 if snapshot:
                     self._capture_after_first_token(request, end, slot, logits)
                 del logits
-                # The prompt's chunk temporaries go back to the device once the prompt is done; between its
+                # A long prompt's chunk temporaries go back to the device once the prompt is done; between its
                 # chunks the allocator keeps them for the next chunk, which needs the same blocks (emptying
-                # after every chunk cost a device synchronisation and the blocks' allocation again).
-                release_cached_blocks(self.device)
+                # after every chunk cost a device synchronisation and the blocks' allocation again). A short
+                # prompt's are kept for the next prompt, for the same reason.
+                if end > SHORT_CHUNK_ROWS:
+                    release_cached_blocks(self.device)
         except Exception as err:  # noqa: BLE001 - an engine error fails this request only
             log.exception("prefill failed for %s", request.id)
             self._finish(slot, request, FinishReason.ERROR, f"{type(err).__name__}: {err}")

@@ -1,5 +1,6 @@
-"""The gated delta rule in Triton: our decode step for N sequences at once, updating the state in place, and
-flash-linear-attention's kernels (when installed) for a prompt chunk.
+"""The gated delta rule in Triton: our decode step for N sequences at once, updating the state in place, the same
+token arithmetic looped over a short prompt chunk, and flash-linear-attention's kernels (when installed) for a
+longer prompt chunk.
 
 flash-linear-attention's recurrent kernel returns a new final state, so a decode step that must leave idle
 rows untouched would read and write every row's float32 state (3 MB per row and layer on the shipped model)
@@ -19,11 +20,13 @@ from .guard import interpreted, tl, triton
 
 try:  # flash-linear-attention: optional, GPU only.
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as _fla_recurrent
 except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _fla_chunk = _fla_recurrent = None
+    _fla_chunk = None
 
 BLOCK_V = 32
+# A prompt chunk of at most this many tokens runs token by token (chunk_tokens); longer ones through fla's
+# chunked form, whose device time grows far slower with the length (bench/gdn_chunk_bench.py).
+TOKEN_LOOP_MAX = 256
 
 
 if triton is not None:
@@ -31,37 +34,74 @@ if triton is not None:
     from .rounding import rounded
 
     @triton.jit
+    def _advance(s, q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, out_ptr, head, cols,
+                 scale: tl.constexpr, DK: tl.constexpr, INTERPRETED: tl.constexpr):
+        """One token of one value head: the state block s [DK, BLOCK_V] (float32) after the token, and the
+        output block stored at out_ptr + cols. q_ptr/k_ptr point at the token's key head, v_ptr at its value
+        head, a_ptr/b_ptr at its raw gate projections."""
+        dk = tl.arange(0, DK)
+        q = tl.load(q_ptr + dk).to(tl.float32)
+        k = tl.load(k_ptr + dk).to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+        v = tl.load(v_ptr + cols).to(tl.float32)
+        decay = tl.load(a_ptr).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
+        decay = tl.where(decay > 20.0, decay, tl.log(1.0 + tl.exp(decay)))      # softplus, as torch's threshold
+        g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * decay
+        beta = tl.sigmoid(tl.load(b_ptr).to(tl.float32))
+        beta = rounded(beta, out_ptr.dtype.element_ty, INTERPRETED)
+        s = s * tl.exp(g)
+        delta = beta * (v - tl.sum(s * k[:, None], axis=0))
+        s = s + k[:, None] * delta[None, :]
+        out = tl.sum(s * q[:, None], axis=0)
+        tl.store(out_ptr + cols, out.to(out_ptr.dtype.element_ty))
+        return s
+
+    @triton.jit
     def _step_kernel(q_ptr, k_ptr, v_ptr, qkv_row_stride, a_ptr, b_ptr, gate_row_stride, a_log_ptr, dt_bias_ptr,
                      active_ptr, state_ptr, out_ptr, scale: tl.constexpr, K_HEADS: tl.constexpr,
                      V_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, INTERPRETED: tl.constexpr,
                      BLOCK_V: tl.constexpr):
+        """Grid (rows, value heads, DV / BLOCK_V): one token for each row's sequence."""
         row = tl.program_id(0)
         head = tl.program_id(1)
         block = tl.program_id(2)
         cols = block * BLOCK_V + tl.arange(0, BLOCK_V)
         dk = tl.arange(0, DK)
+        out_row = out_ptr + (row * V_HEADS + head) * DV
         if tl.load(active_ptr + row) == 0:             # an idle row: its state stays, its output is zeros
-            tl.store(out_ptr + (row * V_HEADS + head) * DV + cols, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty))
+            tl.store(out_row + cols, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty))
             return
         k_head = head // (V_HEADS // K_HEADS)
-        q = tl.load(q_ptr + row * qkv_row_stride + k_head * DK + dk).to(tl.float32)
-        k = tl.load(k_ptr + row * qkv_row_stride + k_head * DK + dk).to(tl.float32)
-        q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
-        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-        v = tl.load(v_ptr + row * qkv_row_stride + head * DV + cols).to(tl.float32)
-        decay = tl.load(a_ptr + row * gate_row_stride + head).to(tl.float32) \
-            + tl.load(dt_bias_ptr + head).to(tl.float32)
-        decay = tl.where(decay > 20.0, decay, tl.log(1.0 + tl.exp(decay)))      # softplus, as torch's threshold
-        g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * decay
-        beta = tl.sigmoid(tl.load(b_ptr + row * gate_row_stride + head).to(tl.float32))
-        beta = rounded(beta, out_ptr.dtype.element_ty, INTERPRETED)
+        qkv_row = row * qkv_row_stride
         s_ptrs = state_ptr + ((row * V_HEADS + head) * DK + dk[:, None]).to(tl.int64) * DV + cols[None, :]
-        s = tl.load(s_ptrs) * tl.exp(g)
-        delta = beta * (v - tl.sum(s * k[:, None], axis=0))
-        s = s + k[:, None] * delta[None, :]
+        s = _advance(tl.load(s_ptrs), q_ptr + qkv_row + k_head * DK, k_ptr + qkv_row + k_head * DK,
+                     v_ptr + qkv_row + head * DV, a_ptr + row * gate_row_stride + head,
+                     b_ptr + row * gate_row_stride + head, a_log_ptr, dt_bias_ptr, out_row, head, cols,
+                     scale, DK, INTERPRETED)
         tl.store(s_ptrs, s)
-        out = tl.sum(s * q[:, None], axis=0)
-        tl.store(out_ptr + (row * V_HEADS + head) * DV + cols, out.to(out_ptr.dtype.element_ty))
+
+    @triton.jit(do_not_specialize=["tokens"])   # one binary for every chunk length (engine/warm_up.py)
+    def _tokens_kernel(q_ptr, k_ptr, v_ptr, qkv_row_stride, a_ptr, b_ptr, gate_row_stride, a_log_ptr,
+                       dt_bias_ptr, state_ptr, out_ptr, tokens, scale: tl.constexpr, K_HEADS: tl.constexpr,
+                       V_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, INTERPRETED: tl.constexpr,
+                       BLOCK_V: tl.constexpr):
+        """Grid (value heads, DV / BLOCK_V): `tokens` tokens of one sequence in order, each as a decode step
+        computes it, with the state block held in registers from the first token to the last."""
+        head = tl.program_id(0)
+        block = tl.program_id(1)
+        cols = block * BLOCK_V + tl.arange(0, BLOCK_V)
+        dk = tl.arange(0, DK)
+        k_head = head // (V_HEADS // K_HEADS)
+        s_ptrs = state_ptr + (head * DK + dk[:, None]).to(tl.int64) * DV + cols[None, :]
+        s = tl.load(s_ptrs)
+        for t in range(tokens):
+            qkv_row = t * qkv_row_stride
+            s = _advance(s, q_ptr + qkv_row + k_head * DK, k_ptr + qkv_row + k_head * DK,
+                         v_ptr + qkv_row + head * DV, a_ptr + t * gate_row_stride + head,
+                         b_ptr + t * gate_row_stride + head, a_log_ptr, dt_bias_ptr,
+                         out_ptr + (t * V_HEADS + head) * DV, head, cols, scale, DK, INTERPRETED)
+        tl.store(s_ptrs, s)
 
 
 def _laid_out(x: torch.Tensor, row_stride: int, head_dim: int) -> bool:
@@ -69,6 +109,21 @@ def _laid_out(x: torch.Tensor, row_stride: int, head_dim: int) -> bool:
     view often does), since only index 0 is read there."""
     wanted = (row_stride, head_dim, 1)
     return all(size == 1 or stride == want for size, stride, want in zip(x.shape, x.stride(), wanted))
+
+
+def _shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+            state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Checks the layouts both kernels read; returns a and b as they read them and the value block width."""
+    dk, dv = q.shape[2], v.shape[2]
+    block_v = min(BLOCK_V, dv)
+    if dv % block_v or block_v & (block_v - 1) or dk & (dk - 1) or not state.is_contiguous():
+        raise ValueError(f"unsupported shapes for the delta-rule kernels: dk {dk}, dv {dv}")
+    row_stride = q.stride(0)
+    if not (_laid_out(q, row_stride, dk) and _laid_out(k, row_stride, dk) and _laid_out(v, row_stride, dv)):
+        raise ValueError("q, k and v must share one row stride, with heads contiguous inside a row")
+    if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
+        a, b = a.contiguous(), b.contiguous()
+    return a, b, block_v
 
 
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -79,17 +134,30 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     (advanced in place for active rows). Returns o [N, Hv, dv] in v's dtype (zeros for idle rows)."""
     rows, k_heads, dk = q.shape
     v_heads, dv = v.shape[1], v.shape[2]
-    block_v = min(BLOCK_V, dv)
-    row_stride = q.stride(0)
-    if dv % block_v or block_v & (block_v - 1) or dk & (dk - 1) or not state.is_contiguous():
-        raise ValueError(f"unsupported shapes for the decode kernel: dk {dk}, dv {dv}")
-    if not (_laid_out(q, row_stride, dk) and _laid_out(k, row_stride, dk) and _laid_out(v, row_stride, dv)):
-        raise ValueError("q, k and v must share one row stride, with heads contiguous inside a row")
-    if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
-        a, b = a.contiguous(), b.contiguous()
+    a, b, block_v = _shapes(q, k, v, a, b, state)
     out = torch.empty_like(v, memory_format=torch.contiguous_format)
     _step_kernel[(rows, v_heads, dv // block_v)](
-        q, k, v, row_stride, a, b, a.stride(0), a_log, dt_bias, active.to(torch.uint8), state, out,
+        q, k, v, q.stride(0), a, b, a.stride(0), a_log, dt_bias, active.to(torch.uint8), state, out,
+        dk ** -0.5, K_HEADS=k_heads, V_HEADS=v_heads, DK=dk, DV=dv, INTERPRETED=interpreted(v), BLOCK_V=block_v,
+        num_warps=4)
+    return out
+
+
+def chunk_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """A short prompt chunk of one sequence, token after token, each token's arithmetic the decode step's:
+    q,k [n, Hk, dk], v [n, Hv, dv], a/b [n, Hv] laid out as `decode_step` takes them, state [Hv, dk, dv] float32
+    (advanced in place). Returns o [n, Hv, dv] in v's dtype. One launch and no gate kernels: a short chunk's
+    host time is what bounds it (fla's chunk function cost ~1.7 ms of host time a layer on the H200), and the
+    state is read and written once."""
+    tokens, k_heads, dk = q.shape
+    v_heads, dv = v.shape[1], v.shape[2]
+    a, b, block_v = _shapes(q, k, v, a, b, state[None])
+    if tokens * max(q.stride(0), v_heads * dv, a.stride(0)) >= 2 ** 31:
+        raise ValueError(f"a chunk of {tokens} tokens is too long for the token loop (32-bit offsets)")
+    out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    _tokens_kernel[(v_heads, dv // block_v)](
+        q, k, v, q.stride(0), a, b, a.stride(0), a_log, dt_bias, state, out, tokens,
         dk ** -0.5, K_HEADS=k_heads, V_HEADS=v_heads, DK=dk, DV=dv, INTERPRETED=interpreted(v), BLOCK_V=block_v,
         num_warps=4)
     return out
@@ -100,10 +168,9 @@ def fla_available() -> bool:
 
 
 def fla_chunk(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
-    """One sequence's new tokens through fla (same contract as engine/model/delta_rule.gated_delta_rule; fla maps
-    value head h to key head h // (Hv / Hk) itself)."""
-    kernel = _fla_recurrent if q.shape[0] == 1 else _fla_chunk
-    out, final = kernel(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
+    """One sequence's new tokens through fla's chunked form (same contract as
+    engine/model/delta_rule.gated_delta_rule; fla maps value head h to key head h // (Hv / Hk) itself)."""
+    out, final = _fla_chunk(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
                         initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
     state.copy_(final[0])
     return out[0]

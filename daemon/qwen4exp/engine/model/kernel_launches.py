@@ -17,6 +17,7 @@ import torch
 from ...checkpoint.gguf_loader import quantized_stacks
 from ...checkpoint.gguf_writer import PlannedFile
 from ...kernels import ahead_of_time, guard
+from ...kernels import delta_rule as delta_rule_kernels
 from ..state import SequenceState, StateBatch
 from .causal_lm import Qwen4ExpForCausalLM
 from .config import ModelConfig
@@ -32,10 +33,11 @@ DTYPE = torch.bfloat16
 
 class OwnKernels(TritonOps):
     """The Triton backend without fla's chunked delta rule (fla's kernels are fla's to build for each GPU): a
-    prompt chunk's delta rule in its torch form, as on an install without fla."""
+    long prompt chunk's delta rule in its torch form, as on an install without fla."""
 
     def delta_rule(self, q, k, v, a, b, a_log, dt_bias, recurrent, step):
-        form = TritonOps if step.decode else TorchOps
+        ours = step.decode or q.shape[0] <= delta_rule_kernels.TOKEN_LOOP_MAX
+        form = TritonOps if ours else TorchOps
         return form.delta_rule(self, q, k, v, a, b, a_log, dt_bias, recurrent, step)
 
 
