@@ -1,7 +1,8 @@
 """The parity of test_model_parity on a CUDA/ROCm device, in float32 and bfloat16.
 
-Run on a GPU host with `pytest -m gpu`. In bfloat16 both sides use flash-linear-attention's Gated DeltaNet
-kernels (transformers picks them up when installed); they round differently, so each bf16 run is measured
+Run on a GPU host with `pytest -m gpu`. In bfloat16 the reference uses flash-linear-attention's Gated DeltaNet
+kernels (transformers picks them up when installed) and we use our token loop (these prompts are shorter than
+kernels/delta_rule.TOKEN_LOOP_MAX; fla for longer chunks); they round differently, so each bf16 run is measured
 against the float32 reference: our error may not exceed the reference's own by more than 50%. In float32
 we run the exact torch forms (fla's chunk kernel rounds through TF32), and so does the reference here.
 Greedy ids must agree, except where the two candidates at the first difference are a near-tie in the bf16

@@ -25,8 +25,9 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 
 BLOCK_V = 32
 # A prompt chunk of at most this many tokens runs token by token (chunk_tokens); longer ones through fla's
-# chunked form, whose device time grows far slower with the length (bench/gdn_chunk_bench.py).
-TOKEN_LOOP_MAX = 256
+# chunked form. The loop's device time grows with the length and fla's barely does, but fla's call costs the host
+# about as long as the loop's device time at this length (bench/gdn_chunk_bench.py, docs/PERFORMANCE.md).
+TOKEN_LOOP_MAX = 512
 
 
 if triton is not None:
@@ -148,8 +149,8 @@ def chunk_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Ten
     """A short prompt chunk of one sequence, token after token, each token's arithmetic the decode step's:
     q,k [n, Hk, dk], v [n, Hv, dv], a/b [n, Hv] laid out as `decode_step` takes them, state [Hv, dk, dv] float32
     (advanced in place). Returns o [n, Hv, dv] in v's dtype. One launch and no gate kernels: a short chunk's
-    host time is what bounds it (fla's chunk function cost ~1.7 ms of host time a layer on the H200), and the
-    state is read and written once."""
+    host time is what bounds it (fla's chunk function costs the host more than the loop costs the device up to
+    TOKEN_LOOP_MAX tokens), and the state is read and written once."""
     tokens, k_heads, dk = q.shape
     v_heads, dv = v.shape[1], v.shape[2]
     a, b, block_v = _shapes(q, k, v, a, b, state[None])
