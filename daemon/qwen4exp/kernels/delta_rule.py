@@ -172,6 +172,6 @@ def fla_chunk(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """One sequence's new tokens through fla's chunked form (same contract as
     engine/model/delta_rule.gated_delta_rule; fla maps value head h to key head h // (Hv / Hk) itself)."""
     out, final = _fla_chunk(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
-                        initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
+                            initial_state=state[None], output_final_state=True, use_qk_l2norm_in_kernel=True)
     state.copy_(final[0])
     return out[0]

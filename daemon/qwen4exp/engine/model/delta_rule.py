@@ -4,10 +4,10 @@ Per value head, with q and k L2-normalised and q scaled by 1/sqrt(d_k), each tok
     S <- exp(g_t) * S;  S <- S + k_t (beta_t (v_t - k_t^T S))^T;  o_t = q_t^T S
 The chunked form processes C tokens at once: inside a chunk the updates are folded into a unit lower
 triangular system (the WY form), and the state is carried from chunk to chunk.
-The reference for the kernels (kernels/delta_rule.py for decode; flash-linear-attention's chunk kernel, when
-installed, for bfloat16/float16 prompts). float32 models keep these forms on GPUs too: fla's chunk kernel rounds
-its dot products through TF32 (about 1e-3 relative error on H200), which would make float32 results depend on
-how a prompt is chunked.
+The reference for the kernels (kernels/delta_rule.py for decode and for bfloat16/float16 prompt chunks of up to
+TOKEN_LOOP_MAX tokens; flash-linear-attention's chunk kernel, when installed, for longer ones). float32 models
+keep these forms on GPUs too: fla's chunk kernel rounds its dot products through TF32 (about 1e-3 relative error
+on H200), which would make float32 results depend on how a prompt is chunked.
 """
 
 from __future__ import annotations
