@@ -51,20 +51,71 @@ def _alone(model, spec) -> Request:
     return request
 
 
-@pytest.mark.parametrize("beside", [False, True], ids=["decode-after-chunks", "decode-between-layers"])
+@pytest.mark.parametrize("beside, batch", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["decode-after-chunks", "decode-between-layers", "prompts-batched", "batched-between"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_alone_equals_together_bit_for_bit(model, seed, beside, monkeypatch):
+def test_alone_equals_together_bit_for_bit(model, seed, beside, batch, monkeypatch):
     """Requests that start at other times, with other prompt lengths, greedy and seeded sampling, queueing
     behind full slots, prefilling beside neighbours that decode (their steps between the prompt chunks, or also
-    between a chunk's layers, as on a GPU): every logits row each one's tokens come from is, bit for bit, the row
-    it gets alone."""
+    between a chunk's layers, as on a GPU), their prompt chunks alone or in one forward with other slots' (with
+    `batch_prompts`): every logits row each one's tokens come from is, bit for bit, the row it gets alone."""
     record_logits(monkeypatch)
     rng = random.Random(seed)
     specs = [_spec(rng) for _ in range(7)]
     starts = sorted(rng.randint(0, 25) for _ in specs)
-    requests = run_staggered(_engine(model, decode_beside_prompts=beside), specs, starts)
+    engine = _engine(model, decode_beside_prompts=beside, batch_prompts=batch)
+    requests = run_staggered(engine, specs, starts)
     for spec, request in zip(specs, requests):
         assert_same_logits(request, _alone(model, spec), f"request with a {len(spec['prompt_ids'])}-token prompt")
+
+
+def test_batched_prompts_share_one_forward_and_give_their_rows_alone(model, monkeypatch):
+    """With `batch_prompts`, the waiting slots' prompt chunks go through one forward while their rows fit one chunk
+    (here four short prompts, then the long one's chunks alone), and every logits row is the row alone."""
+    record_logits(monkeypatch)
+    rng = random.Random(8)
+    specs = [{"prompt_ids": [rng.randrange(1000) for _ in range(n)], "max_tokens": 4} for n in (3, 5, 8, 11, 70)]
+    engine = _engine(model, batch_prompts=True, slots=4)
+    batches = []
+    real = type(model).forward_chunks
+
+    def spy(self, chunks, *args, **kw):
+        batches.append([token_ids.numel() for token_ids, _ in chunks])
+        return real(self, chunks, *args, **kw)
+    monkeypatch.setattr(type(model), "forward_chunks", spy)
+    requests = [engine.submit(Request(**spec)) for spec in specs]
+    engine.run_until_idle()
+    assert batches[0] == [3, 5, 8, 11]          # 27 rows: one chunk's 32
+    assert all(sum(batch) <= CHUNK for batch in batches)
+    for spec, request in zip(specs, requests):
+        assert_same_logits(request, _alone(model, spec), f"a {len(spec['prompt_ids'])}-token prompt")
+
+
+def test_a_failing_chunk_in_a_batch_fails_only_its_request(model, monkeypatch):
+    """A batch that raises runs again chunk by chunk: the chunk that fails alone fails its request, the others
+    answer as they do alone."""
+    engine = _engine(model, batch_prompts=True)
+    specs = [{"prompt_ids": [7] * n, "max_tokens": 3} for n in (4, 6, 9)]
+    requests = [engine.submit(Request(**spec)) for spec in specs]
+    doomed = requests[1]
+    real_forward, real_chunks = type(model).forward, type(model).forward_chunks
+
+    def failing(self, chunks, *args, **kw):
+        if any(state is engine.pool.slots[doomed.slot].state for _, state in chunks):
+            raise RuntimeError("a kernel fault (simulated)")
+        return real_chunks(self, chunks, *args, **kw)
+
+    def failing_alone(self, token_ids, state, *args, **kw):
+        if state is engine.pool.slots[doomed.slot].state:
+            raise RuntimeError("a kernel fault (simulated)")
+        return real_forward(self, token_ids, state, *args, **kw)
+    monkeypatch.setattr(type(model), "forward_chunks", failing)
+    monkeypatch.setattr(type(model), "forward", failing_alone)
+    engine.run_until_idle()
+    assert doomed.finish_reason is FinishReason.ERROR and "simulated" in doomed.error
+    for spec, request in zip(specs, requests):
+        if request is not doomed:
+            assert request.output_ids == _alone(model, spec).output_ids
 
 
 def test_decode_steps_between_a_chunks_layers_emit_tokens_and_the_same_greedy_answers(model):

@@ -1,8 +1,8 @@
 """The Gated DeltaNet decode kernels on the CPU through Triton's interpreter, against the torch forms the CPU
 engine uses: the delta-rule step (kernels/delta_rule.py: same outputs, the same advanced state for active rows,
-idle rows' state untouched, q/k/v read in place from the conv output) and its loop over a short prompt chunk, the causal conv step (kernels/conv.py, also
-PLE's dilated conv) and the gated output norm (kernels/gated_norm.py). Run in a child process: TRITON_INTERPRET
-must be set before Triton is imported."""
+idle rows' state untouched, q/k/v read in place from the conv output) and its loop over a short prompt chunk,
+the causal conv step (kernels/conv.py, also PLE's dilated conv) and the gated output norm
+(kernels/gated_norm.py). Run in a child process: TRITON_INTERPRET must be set before Triton is imported."""
 
 from __future__ import annotations
 
@@ -92,8 +92,9 @@ for name in ("float32", "bfloat16"):
                                   "out_scale": want.float().abs().max().item(),
                                   "state_err": (ours - theirs).abs().max().item()}
     # A short prompt chunk token by token (chunk_tokens) against the decode step on each token in turn, and
-    # against the torch chunked form a CPU engine runs.
-    tokens = 37
+    # against the torch chunked form a CPU engine runs: three value heads a key head, two value blocks each.
+    tokens, hv, dv = 37, 6, 64
+    a_log, dt_bias = torch.randn(hv, generator=gen).to(dtype), torch.rand(hv, generator=gen).to(dtype)
     conv_out = torch.randn(tokens, 2 * hk * dk + hv * dv, generator=gen).to(dtype)
     q, k, v = torch.split(conv_out, [hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv))

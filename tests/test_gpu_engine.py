@@ -73,17 +73,22 @@ def test_graph_decode_alone_equals_together(models, name, compiled):
         print(f"{name}: compiled decode gives the eager step's tokens for {same} of {len(specs)} requests")
 
 
-@pytest.mark.parametrize("beside", [True, False], ids=["decode-between-layers", "decode-after-chunks"])
+@pytest.mark.parametrize("beside, batch", [(True, False), (False, False), (True, True)],
+                         ids=["decode-between-layers", "decode-after-chunks", "prompts-batched"])
 @pytest.mark.parametrize("name", NAMES)
-def test_alone_equals_together_on_every_logits_row(models, name, beside, monkeypatch):
+def test_alone_equals_together_on_every_logits_row(models, name, beside, batch, monkeypatch):
     """Not only the tokens: every logits row a request's tokens come from is, bit for bit, the row it gets
     alone, whatever its neighbours do (prefill beside decode included, with their steps also queued between a
-    prompt chunk's layers, as `decode_beside_prompts` has them, or not)."""
+    prompt chunk's layers, as `decode_beside_prompts` has them, or not; with `batch_prompts`, prompt chunks of
+    several slots in one forward, sharing the routed experts' launch: three short prompts in one chunk below)."""
     record_logits(monkeypatch)
-    engine = Engine(models[name], slots=4, context=CONTEXT, chunk=CHUNK, decode_beside_prompts=beside)
-    specs = _specs()
-    alone = [run_staggered(engine, [spec], [0])[0] for spec in specs]
-    for starts in ([0, 3, 7, 12], [9, 0, 2, 5]):
+    engine = Engine(models[name], slots=4, context=CONTEXT, chunk=CHUNK, decode_beside_prompts=beside,
+                    batch_prompts=batch)
+    short = [dict(prompt_ids=_prompt(n, seed=60 + n), max_tokens=12, sampling=SEEDED if n % 2 else SamplingParams())
+             for n in (3, 5, 7, 11)]
+    runs = [(_specs(), [0, 3, 7, 12]), (_specs(), [9, 0, 2, 5])] + ([(short, [0, 0, 0, 0])] if batch else [])
+    for specs, starts in runs:
+        alone = [run_staggered(engine, [spec], [0])[0] for spec in specs]
         for got, want in zip(run_staggered(engine, specs, starts), alone):
             assert_same_logits(got, want, f"{name}, starts {starts}, {len(want.prompt_ids)}-token prompt")
 

@@ -192,6 +192,9 @@ class Settings(BaseSettings):
     decode_beside_prompts: bool = _field(False, "true or false",
                                          "Queue the other slots' decode steps between the layers of a prompt chunk of "
                                          "up to 512 rows, while the host launches it (no token changes).")
+    batch_prompts: bool = _field(False, "true or false",
+                                 "Run the waiting slots' prompt chunks in one forward while their rows fit one chunk, "
+                                 "each computed as alone; on a GPU they share the experts' weight reads.")
     ple: Annotated[Literal["auto", "device", "host"], BeforeValidator(_lower)] = _field(
         "auto", "'auto', 'device' or 'host'",
         "Where a GGUF's quantized PLE n-gram table lives: `host` keeps it in pinned system memory (the GPU reads the "

@@ -15,13 +15,14 @@ import logging
 import threading
 import time
 from array import array
+from dataclasses import dataclass
 
 import numpy
 import torch
 
 from .decode_runner import DecodeRunner, LaunchedStep
 from .engine_config import EngineConfig
-from .memory import release_cached_blocks, run_with_oom_retry
+from .memory import is_out_of_memory, release_cached_blocks, run_with_oom_retry
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .prefix_cache import PrefixCache
 from .request import MAX_TOP_LOGPROBS, FinishReason, PositionLogprobs, QueueFull, Request, RequestRejected
@@ -32,10 +33,22 @@ from .warm_up import warm_up
 
 log = logging.getLogger("qwen4exp.engine")
 
-# A prompt chunk of up to this many rows is bound by the host's launches: on the H200 it keeps the device busy for a
-# third to a half of its time (docs/PERFORMANCE.md, short prompts). Such chunks get decode steps between their
-# layers (decode_beside_prompts), and a prompt this short leaves its few temporaries cached for the next one.
+# A prompt chunk of up to this many rows is bound, or nearly, by the host's launches: on the H200 a 128-token one
+# keeps the device busy 13 of its 18.5 ms (docs/PERFORMANCE.md, short prompts). Such chunks get decode steps
+# between their layers (decode_beside_prompts), and a prompt this short leaves its few temporaries cached for the
+# next one.
 SHORT_CHUNK_ROWS = 512
+
+
+@dataclass
+class _PromptChunk:
+    """One slot's next prompt chunk in a prefill forward, and its carried state from before (for a retry)."""
+    slot: Slot
+    request: Request
+    begin: int
+    end: int
+    ids: torch.Tensor
+    saved: list[torch.Tensor]
 
 
 def _ids_in_range(ids, vocab: int) -> bool:
@@ -62,7 +75,7 @@ class Engine:
     def __init__(self, model: Qwen4ExpForCausalLM, slots: int = 4, context: int = 4096, chunk: int = 512,
                  restore_spacing: int | None = None, queue_limit: int = 64, tokenizer=None,
                  prefix_cache: PrefixCache | None = None, cuda_graphs: bool = True, compile_decode: bool = False,
-                 decode_beside_prompts: bool = False):
+                 decode_beside_prompts: bool = False, batch_prompts: bool = False):
         cfg = model.config
         spacing = restore_spacing or (prefix_cache.spacing if prefix_cache is not None else chunk)
         if not 1 <= slots <= 8:
@@ -90,6 +103,9 @@ class Engine:
         # An eager step on a GPU allocates its temporaries; beside a chunk's it could run the device out of memory.
         self.decode_beside_prompts = decode_beside_prompts and (self.decoder.graph is not None
                                                                 or self.device.type != "cuda")
+        # Several slots' prompt chunks in one forward (`_prefill`), each computed as alone; on a GPU they share the
+        # routed experts' weight reads, which a short prompt's chunk spends most of its device time on.
+        self.batch_prompts = batch_prompts
         self._launched: tuple[LaunchedStep, list[Slot]] | None = None
         self.queue_limit = queue_limit
         self._queue: collections.deque[Request] = collections.deque()
@@ -114,7 +130,7 @@ class Engine:
         return cls(model, slots=config.slots, context=context, chunk=config.chunk,
                    restore_spacing=config.restore_spacing, queue_limit=config.queue_limit, tokenizer=tokenizer,
                    prefix_cache=prefix_cache, cuda_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
-                   decode_beside_prompts=config.decode_beside_prompts)
+                   decode_beside_prompts=config.decode_beside_prompts, batch_prompts=config.batch_prompts)
 
     def warm_up(self) -> float:
         """Compile every kernel a prompt can launch, on the first slot, before serving (warm_up.py); the
@@ -186,7 +202,7 @@ class Engine:
 
     def step(self) -> None:
         self._schedule()
-        self._prefill_one_chunk()
+        self._prefill()
         self._decode()
 
     def run_until_idle(self) -> None:
@@ -258,58 +274,108 @@ class Engine:
             self._accept(slot, slot.sampler(restored_logits), restored_logits)
 
     # ---- run --------------------------------------------------------------------------------------
-    def _prefill_one_chunk(self) -> None:
-        """One chunk of one prefilling slot (round-robin), in its own forward."""
-        waiting = [s for s in self.pool.slots if s.busy and s.next_token is None]
-        if not waiting:
-            return
-        slot = min(waiting, key=lambda s: (s.index - self._prefill_turn) % len(self.pool.slots))
-        self._prefill_turn = slot.index + 1
-        request = slot.request
-        begin = slot.prefilled
-        end = min(len(request.prompt_ids), (begin // self.chunk + 1) * self.chunk)
-        try:
-            ids = torch.tensor(request.prompt_ids[begin:end], dtype=torch.long)
-            if self.device.type == "cuda":   # from pinned memory, so the host need not wait for the device
-                ids = ids.pin_memory().to(self.device, non_blocking=True)
-            saved = [t.clone() for t in slot.state.carried()]
-
-            beside = functools.partial(self._decode_beside, slot, end) \
-                if self.decode_beside_prompts and end - begin <= SHORT_CHUNK_ROWS else None
-
-            def run_chunk(saved: list[torch.Tensor] = saved) -> torch.Tensor:
-                for target, copy in zip(slot.state.carried(), saved):
-                    target.copy_(copy)          # a retry starts from the state before the failed try
-                slot.state.length = begin
-                return self.model(ids, slot.state, between_layers=beside)
-
+    def _prefill(self) -> None:
+        """The next chunk of one prefilling slot (round-robin), in its own forward; with `batch_prompts`, also the
+        next chunks of the slots after it in turn, while all their rows fit one chunk, in the same forward (each
+        chunk's numbers are the ones it gets alone: model.forward_chunks)."""
+        count = len(self.pool.slots)
+        waiting = sorted((s for s in self.pool.slots if s.busy and s.next_token is None),
+                         key=lambda s: (s.index - self._prefill_turn) % count)
+        chunks: list[_PromptChunk] = []
+        rows = 0
+        for slot in waiting if self.batch_prompts else waiting[:1]:
+            end = min(len(slot.request.prompt_ids), (slot.prefilled // self.chunk + 1) * self.chunk)
+            if chunks and rows + end - slot.prefilled > self.chunk:
+                break
             try:
-                logits = run_with_oom_retry(run_chunk, self.device,
-                                            f"the prompt chunk {begin}..{end} of {request.id}")
-            finally:
-                self._finish_decode()
-            del saved, run_chunk
+                chunks.append(self._prompt_chunk(slot, end))
+            except Exception as err:  # noqa: BLE001 - this request fails, or (out of memory) waits its turn
+                if chunks and is_out_of_memory(err):
+                    break
+                log.exception("prefill failed for %s", slot.request.id)
+                self._finish(slot, slot.request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
+                continue
+            rows += end - slot.prefilled
+            self._prefill_turn = slot.index + 1
+        if not chunks:
+            return
+        release = False
+        for chunk, outcome in zip(chunks, self._run_chunks(chunks, rows)):
+            release |= self._after_chunk(chunk, outcome)
+        if release:
+            # A long prompt's chunk temporaries go back to the device once the prompt is done; between its
+            # chunks the allocator keeps them for the next chunk, which needs the same blocks (emptying after
+            # every chunk cost a device synchronisation and the blocks' allocation again). A short prompt's are
+            # kept for the next prompt, for the same reason.
+            release_cached_blocks(self.device)
+
+    def _prompt_chunk(self, slot: Slot, end: int) -> "_PromptChunk":
+        ids = torch.tensor(slot.request.prompt_ids[slot.prefilled:end], dtype=torch.long)
+        if self.device.type == "cuda":   # from pinned memory, so the host need not wait for the device
+            ids = ids.pin_memory().to(self.device, non_blocking=True)
+        # The carried state before the chunk: a retry (after running out of memory, or alone after its batch
+        # failed) starts from it.
+        return _PromptChunk(slot, slot.request, slot.prefilled, end, ids, [t.clone() for t in slot.state.carried()])
+
+    def _run_chunks(self, chunks: list["_PromptChunk"], rows: int) -> list[torch.Tensor | Exception]:
+        """Each chunk's last logits, or what it failed with. A batch that fails runs again chunk by chunk, so
+        that a failure costs only its own request."""
+        beside = None
+        if self.decode_beside_prompts and rows <= SHORT_CHUNK_ROWS:
+            beside = functools.partial(self._decode_beside, {c.slot.index: c.end for c in chunks})
+
+        def run(group: list[_PromptChunk]) -> list[torch.Tensor]:
+            def attempt() -> list[torch.Tensor]:
+                for chunk in group:
+                    for target, copy in zip(chunk.slot.state.carried(), chunk.saved):
+                        target.copy_(copy)
+                    chunk.slot.state.length = chunk.begin
+                if len(group) == 1:      # through the module's call, as hooks and benches expect it
+                    return [self.model(group[0].ids, group[0].slot.state, between_layers=beside)]
+                return self.model.forward_chunks([(c.ids, c.slot.state) for c in group], between_layers=beside)
+            what = "; ".join(f"the prompt chunk {c.begin}..{c.end} of {c.request.id}" for c in group)
+            return run_with_oom_retry(attempt, self.device, what)
+
+        def alone(chunk: _PromptChunk) -> torch.Tensor | Exception:
+            try:
+                return run([chunk])[0]
+            except Exception as err:  # noqa: BLE001 - handed to _after_chunk, which fails this request only
+                return err
+
+        try:
+            if len(chunks) == 1:
+                return [alone(chunks[0])]
+            try:
+                return run(chunks)
+            except Exception:  # noqa: BLE001 - one chunk's fault must not fail the others
+                log.exception("%d prompt chunks failed together; running each alone", len(chunks))
+            return [alone(chunk) for chunk in chunks]
+        finally:
+            self._finish_decode()
+
+    def _after_chunk(self, chunk: "_PromptChunk", outcome: torch.Tensor | Exception) -> bool:
+        """Snapshot, and the first token if the prompt is done. Returns whether a long prompt ended here."""
+        slot, request, end = chunk.slot, chunk.request, chunk.end
+        try:
+            if isinstance(outcome, Exception):
+                raise outcome
+            logits = outcome
             slot.prefilled = end
             snapshot = self.prefix_cache is not None and self._keeps_snapshot_at(end, len(request.prompt_ids))
             if end < len(request.prompt_ids):
                 if snapshot:
                     self.prefix_cache.capture(request.prompt_ids[:end], slot.state, logits)
-            else:
-                # The first token goes out before the prompt's last snapshot is taken (a pinned allocation and the
-                # prefix's copy); nothing runs on the slot in between, so the snapshot is the same.
-                self._accept(slot, slot.sampler(logits), logits)
-                if snapshot:
-                    self._capture_after_first_token(request, end, slot, logits)
-                del logits
-                # A long prompt's chunk temporaries go back to the device once the prompt is done; between its
-                # chunks the allocator keeps them for the next chunk, which needs the same blocks (emptying
-                # after every chunk cost a device synchronisation and the blocks' allocation again). A short
-                # prompt's are kept for the next prompt, for the same reason.
-                if end > SHORT_CHUNK_ROWS:
-                    release_cached_blocks(self.device)
+                return False
+            # The first token goes out before the prompt's last snapshot is taken (a pinned allocation and the
+            # prefix's copy); nothing runs on the slot in between, so the snapshot is the same.
+            self._accept(slot, slot.sampler(logits), logits)
+            if snapshot:
+                self._capture_after_first_token(request, end, slot, logits)
+            return end > SHORT_CHUNK_ROWS
         except Exception as err:  # noqa: BLE001 - an engine error fails this request only
             log.exception("prefill failed for %s", request.id)
             self._finish(slot, request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
+            return False
 
     def _keeps_snapshot_at(self, end: int, prompt_length: int) -> bool:
         """Whether a prompt prefilled up to `end` is snapshotted there: at 1, 2, 4, 8... chunks (shareable
@@ -337,11 +403,12 @@ class Engine:
         self._launch_decode()
         self._finish_decode()
 
-    def _decode_beside(self, prompt_slot: Slot, end: int) -> None:
-        """Between two layers of `prompt_slot`'s chunk (ending at `end`): take the launched decode step's tokens if
-        the device is done with it, then launch the next one. The device runs each step while the host queues the
-        chunk's next layers; every row's computation is the one a step between chunks makes, so no token changes.
-        The prompt's slot is an idle row of these steps: its scratch writes go to `end`, past the chunk."""
+    def _decode_beside(self, chunk_ends: dict[int, int]) -> None:
+        """Between two layers of a prompt forward (the chunk of each slot index in `chunk_ends` ends there): take
+        the launched decode step's tokens if the device is done with it, then launch the next one. The device runs
+        each step while the host queues the chunks' next layers; every row's computation is the one a step between
+        chunks makes, so no token changes. A prompt's slot is an idle row of these steps: its scratch writes go to
+        its chunk's end, past the chunk."""
         if self._launched is not None and not self._launched[0].done():
             return
         # Each row's token must come from the batch argmax or from a host copy of its logits (the same bits; sampling
@@ -353,7 +420,7 @@ class Engine:
             return
         with torch.inference_mode(False):       # what the steps make outlives the chunk's inference mode
             self._finish_decode()
-            self._launch_decode({prompt_slot.index: end}, host_sampling=True)
+            self._launch_decode(chunk_ends, host_sampling=True)
 
     def _launch_decode(self, idle_positions: dict[int, int] | None = None, host_sampling: bool = False) -> None:
         """Queue one decode step over every decoding slot (advancing their lengths); its tokens are taken by

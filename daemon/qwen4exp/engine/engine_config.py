@@ -42,6 +42,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     compile_decode: bool = False
     decode_beside_prompts: bool = False   # decode steps between a short prompt chunk's layers (engine.py)
+    batch_prompts: bool = False           # several slots' prompt chunks in one forward (engine.py)
     ple: str = "auto"                     # where a GGUF's quantized PLE table lives: "device", "host", or "auto"
 
     def __post_init__(self) -> None:
@@ -65,7 +66,7 @@ class EngineConfig:
         _whole("queue_limit", self.queue_limit, 1)
         if self.ple not in ("auto", "device", "host"):
             raise ValueError(f"engine setting ple must be 'auto', 'device' or 'host', got {self.ple!r}")
-        for key in ("prefix_cache", "cuda_graphs", "compile_decode", "decode_beside_prompts"):
+        for key in ("prefix_cache", "cuda_graphs", "compile_decode", "decode_beside_prompts", "batch_prompts"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"engine setting {key} must be true or false, got {getattr(self, key)!r}")
 
@@ -82,6 +83,7 @@ class EngineConfig:
                    prefix_cache_limit=cache.resident_limit, device_memory_limit=settings.memory_limit_for(target),
                    queue_limit=settings.server.queue_limit, cuda_graphs=settings.cuda_graphs,
                    compile_decode=settings.compile_decode, decode_beside_prompts=settings.decode_beside_prompts,
+                   batch_prompts=settings.batch_prompts,
                    ple=settings.ple)
 
     @property

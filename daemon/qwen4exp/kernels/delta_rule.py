@@ -149,8 +149,8 @@ def chunk_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Ten
     """A short prompt chunk of one sequence, token after token, each token's arithmetic the decode step's:
     q,k [n, Hk, dk], v [n, Hv, dv], a/b [n, Hv] laid out as `decode_step` takes them, state [Hv, dk, dv] float32
     (advanced in place). Returns o [n, Hv, dv] in v's dtype. One launch and no gate kernels: a short chunk's
-    host time is what bounds it (fla's chunk function costs the host more than the loop costs the device up to
-    TOKEN_LOOP_MAX tokens), and the state is read and written once."""
+    host time is what bounds it (fla's chunk function costs the host about what the loop costs the device at
+    TOKEN_LOOP_MAX tokens, and more below), and the state is read and written once."""
     tokens, k_heads, dk = q.shape
     v_heads, dv = v.shape[1], v.shape[2]
     a, b, block_v = _shapes(q, k, v, a, b, state[None])

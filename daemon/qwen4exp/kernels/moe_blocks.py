@@ -193,9 +193,13 @@ def dense_for_chunk(stack, pairs: int):
     DENSE_FROM pairs each on average, so that the grouped GEMMs stream dense tiles as they do for a dense model;
     else the stack itself (its tiles are dequantized in the GEMMs, each as many times as the expert has row
     blocks). Chosen by the shapes alone."""
-    if isinstance(stack, torch.Tensor) or pairs < DENSE_FROM * stack.shape[0]:
-        return stack
-    return dequantize_stack(stack)
+    return dequantize_stack(stack) if dequantized_for(stack, pairs) else stack
+
+
+def dequantized_for(stack, pairs: int) -> bool:
+    """Whether `dense_for_chunk` dequantizes `stack` for a chunk of `pairs` pairs (the twin's GEMMs round
+    otherwise than the blocks' do, so chunks that share one launch must all be on the same side)."""
+    return not isinstance(stack, torch.Tensor) and pairs >= DENSE_FROM * stack.shape[0]
 
 
 def grouped_gate_up(x, pair_of_row, expert_of_block, stack, h, pairs: int, top_k: int, config: dict,

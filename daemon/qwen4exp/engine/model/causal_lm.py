@@ -86,15 +86,27 @@ class Qwen4ExpForCausalLM(nn.Module):
         last token [V] (of every token [n, V] with all_logits) and advances the state. `between_layers` is called
         after each layer but the last (the engine queues other sequences' decode steps there); it must leave this
         sequence's state as it found it."""
-        n = token_ids.numel()
-        if n == 0:
-            raise ValueError("a chunk needs at least one token")
-        state.check_room(n)
-        step = Step.chunk(self.ops, token_ids, state, self.rope(state.length + n, token_ids.device))
-        hidden, _ = self.run(step, between_layers)
-        state.length += n
-        logits = self.ops.linear(hidden if all_logits else hidden[-1:], self.lm_head.weight, step)
-        return logits if all_logits else logits[0]
+        return self.forward_chunks([(token_ids, state)], all_logits, between_layers)[0]
+
+    @torch.inference_mode()
+    def forward_chunks(self, chunks: list[tuple[torch.Tensor, SequenceState]], all_logits: bool = False,
+                       between_layers: Callable[[], None] | None = None) -> list[torch.Tensor]:
+        """Prompt chunks of several sequences (each as `forward` takes one, each sequence once) in one forward:
+        each chunk's logits and state are the ones `forward` gives it alone (ops.chunks_experts: where the
+        backend can, the chunks share the routed experts' launch and weight reads)."""
+        for token_ids, state in chunks:
+            if token_ids.numel() == 0:
+                raise ValueError("a chunk needs at least one token")
+            state.check_room(token_ids.numel())
+        end = max(state.length + token_ids.numel() for token_ids, state in chunks)
+        rope = self.rope(end, chunks[0][0].device)
+        steps = [Step.chunk(self.ops, token_ids, state, rope) for token_ids, state in chunks]
+        outs = []
+        for step, (hidden, _) in zip(steps, self.run_steps(steps, between_layers)):
+            step.state.length += step.token_ids.numel()
+            logits = self.ops.linear(hidden if all_logits else hidden[-1:], self.lm_head.weight, step)
+            outs.append(logits if all_logits else logits[0])
+        return outs
 
     @torch.inference_mode()
     def decode_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor,
@@ -116,13 +128,29 @@ class Qwen4ExpForCausalLM(nn.Module):
     def run(self, step: Step, between_layers: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers over a step -> (the mixed hidden rows [T, H] for the LM head, the streams [T, hc*H] they
         were mixed from). Lengths are the caller's to advance."""
-        streams = self.ops.table_rows(self.model.embed_tokens, step.token_ids).repeat(1, self.config.hc_count)
-        pending = None
+        return self.run_steps([step], between_layers)[0]
+
+    def run_steps(self, steps: list[Step], between_layers: Callable[[], None] | None = None
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`run` over several chunk steps of different sequences, layer by layer in step, so that each layer's
+        MoE can take them all at once (ops.chunks_experts); one step runs its layers whole."""
+        hc = self.config.hc_count
+        streams = [self.ops.table_rows(self.model.embed_tokens, step.token_ids).repeat(1, hc) for step in steps]
+        pending: list = [None] * len(steps)
         last = len(self.model.layers) - 1
         for index, layer in enumerate(self.model.layers):
-            streams, pending = layer(streams, step, pending)
+            if len(steps) == 1:
+                streams[0], pending[0] = layer(streams[0], steps[0], pending[0])
+            else:
+                parts = [layer.up_to_experts(*args) for args in zip(streams, steps, pending)]
+                outs = self.ops.chunks_experts(layer.mlp, [mixed for _, mixed, _ in parts], steps)
+                streams = [part[0] for part in parts]
+                pending = [(out, gates) for out, (_, _, gates) in zip(outs, parts)]
             if between_layers is not None and index < last:
                 between_layers()
-        streams, hidden, _ = self.model.hyper_connection_mixer(streams, step, inject=pending)
-        return hidden, streams
+        results = []
+        for stream, step, inject in zip(streams, steps, pending):
+            stream, hidden, _ = self.model.hyper_connection_mixer(stream, step, inject=inject)
+            results.append((hidden, stream))
+        return results
 

@@ -47,6 +47,12 @@ class DecoderLayer(nn.Module):
         """streams [T, hc*H] -> (streams, this layer's MoE output and gates, not yet injected). `pending` is the
         layer before's: this layer's first norm injects it (one kernel, not two). Every row's numbers depend on
         that row (and, in a chunk, its sequence's earlier tokens) alone."""
+        streams, mixed, gates = self.up_to_experts(streams, step, pending)
+        return streams, (self.mlp(mixed, step), gates)
+
+    def up_to_experts(self, streams: torch.Tensor, step, pending: Injection | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward` up to the MoE: (streams, the MoE's input [T, H], the gates its output is injected with)."""
         term = None
         if self.ple is not None:
             if pending is not None:   # PLE reads the streams: inject first
@@ -54,5 +60,4 @@ class DecoderLayer(nn.Module):
             term = self.ple(streams, step, step.state.ple[self.index])
         streams, mixed, gates = self.attn_hyper_connection(streams, step, add=term, inject=pending)
         out = self.mixer(mixed, step, step.state.layers[self.index])
-        streams, mixed, gates = self.mlp_hyper_connection(streams, step, inject=(out, gates))
-        return streams, (self.mlp(mixed, step), gates)
+        return self.mlp_hyper_connection(streams, step, inject=(out, gates))

@@ -104,7 +104,13 @@ class SparseMoeBlock(SharedInputProjections):
     def forward(self, x: torch.Tensor, step) -> torch.Tensor:
         """x [T, H] -> [T, H]. In a decode step idle rows get no routed part (their shared-expert term is still
         computed)."""
+        x, ids, weights, shared = self.route(x, step)
+        return step.ops.experts(x, ids, weights, self.experts, shared, step)
+
+    def route(self, x: torch.Tensor, step) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]:
+        """What the routed experts take for x [T, H]: (x, expert ids [T, k], their weights [T, k], (the shared
+        expert's output, its gate logit)). Everything up to the routed experts, which ops.experts runs."""
         router_logits, swiglu_gate, swiglu_up, shared_gate_logit = self.project_input(x, step)
         ids, weights = self.gate(x, router_logits, step)
         shared = self.shared_expert(swiglu_gate, swiglu_up, step)
-        return step.ops.experts(x, ids, weights, self.experts, (shared, shared_gate_logit), step)
+        return x, ids, weights, (shared, shared_gate_logit)

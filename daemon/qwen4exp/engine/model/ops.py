@@ -84,6 +84,13 @@ class TorchOps:
             routed = moe.experts_grouped(x, ids, weights, experts.gate_up_proj, experts.down_proj)
         return routed + torch.sigmoid(shared[1]) * shared[0]
 
+    def chunks_experts(self, moe_block: moe.SparseMoeBlock, mixed: list[torch.Tensor], steps: list
+                       ) -> list[torch.Tensor]:
+        """The MoE block over each of several prompt chunks' inputs (of several sequences, in one forward). The
+        torch form runs each chunk's alone: a product's sums may depend on how many rows it multiplies, and a
+        chunk's numbers must be the ones it gets alone."""
+        return [moe_block(x, step) for x, step in zip(mixed, steps)]
+
     # ---- per phase ------------------------------------------------------------------------------------
     def causal_conv(self, x: torch.Tensor, weight: torch.Tensor, dilation: int, kept: torch.Tensor,
                     step) -> torch.Tensor:
