@@ -8,8 +8,9 @@
 #
 # Usage: bench/short_prompts_h200.sh OUT_DIR [CHECKPOINT]      (CHECKPOINT default /tmp/bench8)
 # Knobs: LOAD_SECONDS=30 (each load level), LEVELS=1,4,16,64, SKIP_SPEED=1, BESIDE="false true" (the daemon runs),
-# PORT=8077. With the defaults it takes about 12 minutes on the H200 (the speed bench ~3, writing the checkpoint
-# ~1, each daemon run ~4); split it over calls with SKIP_SPEED=1 and BESIDE=false / BESIDE=true.
+# BATCH=false (the daemon's batch_prompts in every run; true adds _batch to the file names), PORT=8077. With the
+# defaults it takes about 12 minutes on the H200 (the speed bench ~3, writing the checkpoint ~1, each daemon run
+# ~4); split it over calls with SKIP_SPEED=1 and BESIDE=false / BESIDE=true.
 set -uo pipefail
 
 out=${1:?usage: bench/short_prompts_h200.sh OUT_DIR [CHECKPOINT]}
@@ -30,24 +31,26 @@ if [ ! -d "$checkpoint" ]; then
         || { echo "init-checkpoint failed: $out/init.log"; exit 1; }
 fi
 
+batch=${BATCH:-false}
 for beside in ${BESIDE:-false true}; do
-    QWEN4EXP_MODEL=$checkpoint QWEN4EXP_DECODE_BESIDE_PROMPTS=$beside \
-        qwen4exp serve --profile h200 --port "$port" > "$out/serve_beside_$beside.log" 2>&1 &
+    tag=beside_$beside$([ "$batch" = true ] && echo _batch)
+    QWEN4EXP_MODEL=$checkpoint QWEN4EXP_DECODE_BESIDE_PROMPTS=$beside QWEN4EXP_BATCH_PROMPTS=$batch \
+        qwen4exp serve --profile h200 --port "$port" > "$out/serve_$tag.log" 2>&1 &
     server=$!
     started=$(date +%s)
     until [ "$(curl -s -o /dev/null -w '%{http_code}' "$url/health")" = 200 ]; do
-        kill -0 $server 2>/dev/null || { echo "the daemon exited: $out/serve_beside_$beside.log"; exit 1; }
+        kill -0 $server 2>/dev/null || { echo "the daemon exited: $out/serve_$tag.log"; exit 1; }
         [ $(( $(date +%s) - started )) -gt 300 ] && { echo "not ready after 300 s"; kill $server; exit 1; }
         sleep 1
     done
-    echo "beside=$beside: ready after $(( $(date +%s) - started )) s"
-    curl -s "$url/props" > "$out/props_beside_$beside.json"
+    echo "$tag: ready after $(( $(date +%s) - started )) s"
+    curl -s "$url/props" > "$out/props_$tag.json"
     python3 bench/load.py --url "$url" --mix chat --seconds "${LOAD_SECONDS:-30}" --levels "${LEVELS:-1,4,16,64}" \
-        --out "$out/load_chat_beside_$beside.json" > "$out/load_beside_$beside.log" 2>&1
-    echo "beside=$beside: load rc $?"
+        --out "$out/load_chat_$tag.json" > "$out/load_$tag.log" 2>&1
+    echo "$tag: load rc $?"
     python3 bench/daemon_prompts.py --url "$url" --lengths 16384,250000 --repeats 3 \
-        --out "$out/daemon_prompts_beside_$beside.json" > "$out/daemon_prompts_beside_$beside.log" 2>&1
-    echo "beside=$beside: prompts rc $?"
+        --out "$out/daemon_prompts_$tag.json" > "$out/daemon_prompts_$tag.log" 2>&1
+    echo "$tag: prompts rc $?"
     kill $server
     wait $server
 done
