@@ -91,6 +91,32 @@ def test_batched_prompts_share_one_forward_and_give_their_rows_alone(model, monk
         assert_same_logits(request, _alone(model, spec), f"a {len(spec['prompt_ids'])}-token prompt")
 
 
+def test_decode_steps_beside_a_batch_write_past_every_chunk(model, monkeypatch):
+    """A request decoding while three short prompts prefill in one forward with decode steps between its layers:
+    each step's idle rows (the three prompt slots) write their scratch past their own chunk, so all four requests
+    give the logits rows they give alone."""
+    record_logits(monkeypatch)
+    specs = [{"prompt_ids": [(i * 37 + 11) % 1000 for i in range(5)], "max_tokens": 30}] + \
+        [{"prompt_ids": [(i * 53 + n) % 1000 for i in range(n)], "max_tokens": 6} for n in (8, 10, 12)]
+    engine = _engine(model, decode_beside_prompts=True, batch_prompts=True)
+    launched = []
+    real_launch = Engine._launch_decode
+
+    def spy(self, idle_positions=None, host_sampling=False):
+        if idle_positions and any(slot.decoding for slot in self.pool.slots):
+            launched.append(dict(idle_positions))
+        return real_launch(self, idle_positions, host_sampling)
+    monkeypatch.setattr(Engine, "_launch_decode", spy)
+    requests = [engine.submit(Request(**specs[0]))]
+    engine.step()
+    engine.step()
+    requests += [engine.submit(Request(**spec)) for spec in specs[1:]]
+    engine.run_until_idle()
+    assert any(len(ends) == 3 for ends in launched), launched
+    for spec, request in zip(specs, requests):
+        assert_same_logits(request, _alone(model, spec), f"a {len(spec['prompt_ids'])}-token prompt")
+
+
 def test_a_failing_chunk_in_a_batch_fails_only_its_request(model, monkeypatch):
     """A batch that raises runs again chunk by chunk: the chunk that fails alone fails its request, the others
     answer as they do alone."""
@@ -100,7 +126,10 @@ def test_a_failing_chunk_in_a_batch_fails_only_its_request(model, monkeypatch):
     doomed = requests[1]
     real_forward, real_chunks = type(model).forward, type(model).forward_chunks
 
+    batches = []
+
     def failing(self, chunks, *args, **kw):
+        batches.append(len(chunks))
         if any(state is engine.pool.slots[doomed.slot].state for _, state in chunks):
             raise RuntimeError("a kernel fault (simulated)")
         return real_chunks(self, chunks, *args, **kw)
@@ -112,6 +141,7 @@ def test_a_failing_chunk_in_a_batch_fails_only_its_request(model, monkeypatch):
     monkeypatch.setattr(type(model), "forward_chunks", failing)
     monkeypatch.setattr(type(model), "forward", failing_alone)
     engine.run_until_idle()
+    assert batches and batches[0] == 3               # the three prompts were one batch, which failed
     assert doomed.finish_reason is FinishReason.ERROR and "simulated" in doomed.error
     for spec, request in zip(specs, requests):
         if request is not doomed:

@@ -300,7 +300,7 @@ class Engine:
         if not chunks:
             return
         release = False
-        for chunk, outcome in zip(chunks, self._run_chunks(chunks, rows)):
+        for chunk, outcome in zip(chunks, self._run_chunks(chunks)):
             release |= self._after_chunk(chunk, outcome)
         if release:
             # A long prompt's chunk temporaries go back to the device once the prompt is done; between its
@@ -317,11 +317,13 @@ class Engine:
         # failed) starts from it.
         return _PromptChunk(slot, slot.request, slot.prefilled, end, ids, [t.clone() for t in slot.state.carried()])
 
-    def _run_chunks(self, chunks: list["_PromptChunk"], rows: int) -> list[torch.Tensor | Exception]:
-        """Each chunk's last logits, or what it failed with. A batch that fails runs again chunk by chunk, so
-        that a failure costs only its own request."""
+    def _run_chunks(self, chunks: list["_PromptChunk"]) -> list[torch.Tensor | str]:
+        """Each chunk's last logits, or the error it failed with (logged here; a message, so that nothing of the
+        failed forward outlives this call). A batch that fails runs again chunk by chunk, so that a failure
+        costs only its own request."""
         beside = None
-        if self.decode_beside_prompts and rows <= SHORT_CHUNK_ROWS:
+        # Several short chunks keep the host busier still than one: the steps go beside any batch of them.
+        if self.decode_beside_prompts and max(c.end - c.begin for c in chunks) <= SHORT_CHUNK_ROWS:
             beside = functools.partial(self._decode_beside, {c.slot.index: c.end for c in chunks})
 
         def run(group: list[_PromptChunk]) -> list[torch.Tensor]:
@@ -336,11 +338,12 @@ class Engine:
             what = "; ".join(f"the prompt chunk {c.begin}..{c.end} of {c.request.id}" for c in group)
             return run_with_oom_retry(attempt, self.device, what)
 
-        def alone(chunk: _PromptChunk) -> torch.Tensor | Exception:
+        def alone(chunk: _PromptChunk) -> torch.Tensor | str:
             try:
                 return run([chunk])[0]
-            except Exception as err:  # noqa: BLE001 - handed to _after_chunk, which fails this request only
-                return err
+            except Exception as err:  # noqa: BLE001 - _after_chunk fails this request only
+                log.exception("prefill failed for %s", chunk.request.id)
+                return f"{type(err).__name__}: {err}"
 
         try:
             if len(chunks) == 1:
@@ -352,13 +355,16 @@ class Engine:
             return [alone(chunk) for chunk in chunks]
         finally:
             self._finish_decode()
+            for chunk in chunks:
+                chunk.saved.clear()        # the copies for a retry are done with
 
-    def _after_chunk(self, chunk: "_PromptChunk", outcome: torch.Tensor | Exception) -> bool:
+    def _after_chunk(self, chunk: "_PromptChunk", outcome: torch.Tensor | str) -> bool:
         """Snapshot, and the first token if the prompt is done. Returns whether a long prompt ended here."""
         slot, request, end = chunk.slot, chunk.request, chunk.end
+        if isinstance(outcome, str):
+            self._finish(slot, request, FinishReason.ERROR, outcome)
+            return False
         try:
-            if isinstance(outcome, Exception):
-                raise outcome
             logits = outcome
             slot.prefilled = end
             snapshot = self.prefix_cache is not None and self._keeps_snapshot_at(end, len(request.prompt_ids))
