@@ -34,3 +34,14 @@ def test_the_backend_follows_the_model_when_it_is_cast_or_moved(monkeypatch):
         built = Qwen4ExpForCausalLM(config)
     assert built.ops is TRITON_OPS                                 # chosen when the model is built
     assert built.to_empty(device="cpu").ops is TORCH_OPS           # and again where a load puts it
+
+
+def test_a_torch_form_of_the_experts_also_keeps_batched_chunks_apart():
+    """On a GPU whose grouped expert kernels do not build, the experts run their torch form, whose sums may follow
+    the row count: several prompt chunks then run the MoE chunk by chunk, not in one launch."""
+    from qwen4exp.engine.model.ops import TorchOps
+    from qwen4exp.engine.model.triton_ops import TritonOps, with_torch_forms
+
+    backend = with_torch_forms(frozenset({"experts"}))
+    assert backend.chunks_experts.__func__ is TorchOps.chunks_experts
+    assert with_torch_forms(frozenset({"rotate"})).chunks_experts.__func__ is TritonOps.chunks_experts

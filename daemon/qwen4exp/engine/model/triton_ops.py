@@ -164,6 +164,7 @@ def with_torch_forms(ops: frozenset[str]) -> TritonOps:
     """The Triton backend with the torch form of each of `ops` (those whose kernels do not build for a GPU:
     guard.NOT_BUILT). The torch forms still call the other ops through this backend."""
     backend = TritonOps()
-    for op in ops:
+    # Chunks share the experts' launch only over the grouped kernels, whose rows are independent.
+    for op in ops | ({"chunks_experts"} if "experts" in ops else set()):
         setattr(backend, op, types.MethodType(getattr(TorchOps, op), backend))
     return backend
