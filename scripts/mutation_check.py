@@ -40,10 +40,13 @@ class Mutant:
 
 MUTANTS = [
     Mutant("chunk-grid", "prompt chunks are cut shorter while another slot decodes (a load-dependent grid)", ENGINE,
-           "        end = min(len(request.prompt_ids), (begin // self.chunk + 1) * self.chunk)\n",
-           "        end = min(len(request.prompt_ids), (begin // self.chunk + 1) * self.chunk)\n"
-           "        if any(s.decoding for s in self.pool.slots):\n"
-           "            end = min(end, begin + self.chunk // 2)\n", ("tests/test_engine.py",)),
+           "            end = min(len(slot.request.prompt_ids), (slot.prefilled // self.chunk + 1) * self.chunk)\n",
+           "            end = min(len(slot.request.prompt_ids), (slot.prefilled // self.chunk + 1) * self.chunk)\n"
+           "            if any(s.decoding for s in self.pool.slots):\n"
+           "                end = min(end, slot.prefilled + self.chunk // 2)\n", ("tests/test_engine.py",)),
+    Mutant("beside-batch", "decode steps beside a batch of prompt chunks write idle rows inside all but one chunk",
+           ENGINE, "{c.slot.index: c.end for c in chunks}", "{chunks[0].slot.index: chunks[0].end}",
+           ("tests/test_engine.py",)),
     Mutant("fifo", "admission takes the newest queued request first", ENGINE,
            "request = self._queue.popleft()", "request = self._queue.pop()", ("tests/test_engine.py",)),
     Mutant("round-robin", "prefill stays on one slot instead of taking turns", ENGINE,
