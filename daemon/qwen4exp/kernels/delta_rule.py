@@ -30,6 +30,11 @@ BLOCK_V = 32
 TOKEN_LOOP_MAX = 512
 
 
+def runs_token_loop(tokens: int) -> bool:
+    """Whether a prompt chunk of `tokens` tokens runs `chunk_tokens` (on the Triton backend, with fla or not)."""
+    return tokens <= TOKEN_LOOP_MAX
+
+
 if triton is not None:
 
     from .rounding import rounded

@@ -36,7 +36,7 @@ class OwnKernels(TritonOps):
     long prompt chunk's delta rule in its torch form, as on an install without fla."""
 
     def delta_rule(self, q, k, v, a, b, a_log, dt_bias, recurrent, step):
-        ours = step.decode or q.shape[0] <= delta_rule_kernels.TOKEN_LOOP_MAX
+        ours = step.decode or delta_rule_kernels.runs_token_loop(q.shape[0])
         form = TritonOps if ours else TorchOps
         return form.delta_rule(self, q, k, v, a, b, a_log, dt_bias, recurrent, step)
 

@@ -104,7 +104,7 @@ class TritonOps(TorchOps):
     def delta_rule(self, q, k, v, a, b, a_log, dt_bias, recurrent, step):
         if step.decode:
             return delta_rule_kernels.decode_step(q, k, v, a, b, a_log, dt_bias, step.flags, recurrent)
-        if q.shape[0] <= delta_rule_kernels.TOKEN_LOOP_MAX:
+        if delta_rule_kernels.runs_token_loop(q.shape[0]):
             return delta_rule_kernels.chunk_tokens(q, k, v, a, b, a_log, dt_bias, recurrent)
         if not delta_rule_kernels.fla_available():
             return super().delta_rule(q, k, v, a, b, a_log, dt_bias, recurrent, step)
