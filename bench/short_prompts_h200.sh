@@ -8,7 +8,9 @@
 #
 # Usage: bench/short_prompts_h200.sh OUT_DIR [CHECKPOINT]      (CHECKPOINT default /tmp/bench8)
 # Knobs: LOAD_SECONDS=30 (each load level), LEVELS=1,4,16,64, SKIP_SPEED=1, BESIDE="false true" (the daemon runs),
-# BATCH=false (the daemon's batch_prompts in every run; true adds _batch to the file names), PORT=8077. With the
+# BATCH=false (the daemon's batch_prompts in every run; true adds _batch to the file names), PORT=8077,
+# SKIP_PROMPTS=1 (no cold prompts through the daemon), PROMPTS=16384,250000 (their lengths). Other QWEN4EXP_*
+# variables (QWEN4EXP_SLOTS, QWEN4EXP_CHUNK) reach the daemon as they are. With the
 # defaults it takes about 12 minutes on the H200 (the speed bench ~3, writing the checkpoint ~1, each daemon run
 # ~4); split it over calls with SKIP_SPEED=1 and BESIDE=false / BESIDE=true.
 set -uo pipefail
@@ -48,9 +50,11 @@ for beside in ${BESIDE:-false true}; do
     python3 bench/load.py --url "$url" --mix chat --seconds "${LOAD_SECONDS:-30}" --levels "${LEVELS:-1,4,16,64}" \
         --out "$out/load_chat_$tag.json" > "$out/load_$tag.log" 2>&1
     echo "$tag: load rc $?"
-    python3 bench/daemon_prompts.py --url "$url" --lengths 16384,250000 --repeats 3 \
-        --out "$out/daemon_prompts_$tag.json" > "$out/daemon_prompts_$tag.log" 2>&1
-    echo "$tag: prompts rc $?"
+    if [ -z "${SKIP_PROMPTS:-}" ]; then
+        python3 bench/daemon_prompts.py --url "$url" --lengths "${PROMPTS:-16384,250000}" --repeats 3 \
+            --out "$out/daemon_prompts_$tag.json" > "$out/daemon_prompts_$tag.log" 2>&1
+        echo "$tag: prompts rc $?"
+    fi
     kill $server
     wait $server
 done

@@ -94,10 +94,10 @@ def test_profile_from_environment_and_the_embedded_default(etc):
 
 # --- shipped profiles and where profiles are found ---
 
-@pytest.mark.parametrize("name", ["tiny", "h200", "qwen-next-r9700-strix"])
-def test_shipped_profiles_load(name, etc):
+@pytest.mark.parametrize("name, slots", [("tiny", 4), ("h200", 4), ("h200-chat", 8), ("qwen-next-r9700-strix", 4)])
+def test_shipped_profiles_load(name, slots, etc):
     settings = load_settings(name, env=env_for(etc))
-    assert settings.description and settings.slots == 4
+    assert settings.description and settings.slots == slots
     assert all(source != "default" for key, _, source in explain(settings)
                if key in ("model", "dtype", "max_ctx", "chunk", "devices", "server.port"))
 
@@ -108,9 +108,12 @@ def test_shipped_profile_contents(etc):
     assert tiny.server.api_key is None and tiny.server.port == 8077 and tiny.prefix_cache.enabled
     assert (h200.target.name, h200.dtype, h200.max_ctx) == ("cuda:0", "bfloat16", "auto")
     assert h200.snapshot_device.name == "cpu"
-    assert h200.prefix_cache.resident_limit == "auto" and h200.restore_spacing == h200.chunk_tokens == 2048
+    assert h200.prefix_cache.resident_limit == "auto" and (h200.restore_spacing, h200.chunk_tokens) == (2048, 4096)
+    assert not h200.batch_prompts and h200.decode_beside_prompts
+    chat = load_settings("h200-chat", env=env_for(etc))
+    assert (chat.slots, chat.batch_prompts, chat.chunk_tokens, chat.max_ctx) == (8, True, 4096, "auto")
     assert [d.name for d in strix.split_devices] == ["cuda:1"] and strix.target.name == "cuda:0"
-    assert [n for n, _, _ in list_profiles(env_for(etc))] == ["h200", "qwen-next-r9700-strix", "tiny"]
+    assert [n for n, _, _ in list_profiles(env_for(etc))] == ["h200", "h200-chat", "qwen-next-r9700-strix", "tiny"]
 
 
 def test_etc_overrides_a_shipped_profile(etc):
@@ -125,7 +128,7 @@ def test_unknown_profile_lists_the_available_ones(etc):
     with pytest.raises(ConfigError) as err:
         load_settings("h100", env=env_for(etc))
     assert "did you mean h200" in str(err.value)
-    assert "available: h200, qwen-next-r9700-strix, tiny" in str(err.value)
+    assert "available: h200, h200-chat, qwen-next-r9700-strix, tiny" in str(err.value)
     with pytest.raises(ConfigError, match="does not exist"):
         find_profile("/nowhere/x.toml")
 

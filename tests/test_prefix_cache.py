@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -97,6 +98,27 @@ def test_restore_into_another_slot_beside_other_requests(model, monkeypatch):
     assert busy.finished and warm.cached_tokens == 112
     assert first.slot == busy.slot == 0 and warm.slot != first.slot
     assert_same_logits(warm, first, "warm in another slot beside neighbours")
+
+
+def test_a_slot_reused_before_its_snapshots_are_copied_keeps_them_exact(model, monkeypatch):
+    """A snapshot is filled on a background thread, reading the slot's K/V in place. Hold that thread back until
+    the slot's next request has its first token (a timer lets it go if that request rightly waits): the next
+    request must not overwrite the prefix first, so the first prompt resent comes back with its cold logits."""
+    record_logits(monkeypatch)
+    first = _prompt(96, seed=21)
+    cold_reference, = _run(_engine(model, slots=1), Request(prompt_ids=first, max_tokens=6))
+    cache = _cache(model)
+    engine = _engine(model, cache, slots=1)
+    held = threading.Event()
+    cache._copier._thread.submit(held.wait)
+    timer = threading.Timer(1.0, held.set)
+    timer.start()
+    _run(engine, Request(prompt_ids=first, max_tokens=6),
+         Request(prompt_ids=_prompt(128, seed=22), max_tokens=2, on_token=lambda *_: held.set()))
+    timer.cancel()
+    warm, = _run(engine, Request(prompt_ids=first, max_tokens=6))
+    assert warm.cached_tokens == 96
+    assert_same_logits(warm, cold_reference, "restored after the slot was reused")
 
 
 def test_snapshot_restores_the_state_exactly(model):

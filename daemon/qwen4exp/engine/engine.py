@@ -92,6 +92,9 @@ class Engine:
                 raise ValueError(f"the prefix cache holds snapshots cut at chunk {prefix_cache.chunk}; "
                                  f"this engine cuts at {chunk}")
             prefix_cache.chunk = chunk
+            # A copy still running for an engine before this one must not be on a stream while the decode step's
+            # CUDA graph is captured.
+            prefix_cache.finish_captures()
         self.prefix_cache = prefix_cache
         self.model, self.context, self.chunk, self.restore_spacing = model, context, chunk, spacing
         self.tokenizer = tokenizer
@@ -220,6 +223,8 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
+        if self.prefix_cache is not None:       # the snapshots' copies read the slots, which may be freed next
+            self.prefix_cache.finish_captures()
 
     def _loop(self) -> None:
         while not self._stopping:
@@ -257,6 +262,8 @@ class Engine:
                 self._finish(slot, request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
 
     def _start(self, slot: Slot, request: Request) -> None:
+        if self.prefix_cache is not None:       # the last request's snapshots may still be copying the slot's prefix
+            self.prefix_cache.wait_for_captures(slot.state)
         slot.state.reset()
         slot.request = request
         request.slot = slot.index
@@ -372,8 +379,8 @@ class Engine:
                 if snapshot:
                     self.prefix_cache.capture(request.prompt_ids[:end], slot.state, logits)
                 return False
-            # The first token goes out before the prompt's last snapshot is taken (a pinned allocation and the
-            # prefix's copy); nothing runs on the slot in between, so the snapshot is the same.
+            # The first token goes out before the prompt's last snapshot is taken (its whole-state tensors are
+            # copied on the prompt's stream); nothing runs on the slot in between, so the snapshot is the same.
             self._accept(slot, slot.sampler(logits), logits)
             if snapshot:
                 self._capture_after_first_token(request, end, slot, logits)

@@ -17,7 +17,7 @@ import torch
 from dataclasses import dataclass
 
 from .._core import PrefixStore, PrefixStoreFull
-from .snapshot import Snapshot, SnapshotBackend
+from .snapshot import Snapshot, SnapshotBackend, SnapshotCopier
 from .state import SequenceState
 
 log = logging.getLogger("qwen4exp.prefix_cache")
@@ -68,6 +68,8 @@ class PrefixCache:
         self.resident_limit = resident_limit
         self.counters = CacheCounters()
         self._snapshots: dict[int, Snapshot] = {}
+        self._copier = SnapshotCopier(backend)
+        self._reading: list[tuple[SequenceState, Snapshot]] = []    # captures whose copies may still read a state
         self._keys: dict[int, int] = {}                # handle -> hash of its prefix tokens
         self._handles = itertools.count(1)
         self._lock = threading.Lock()
@@ -82,6 +84,12 @@ class PrefixCache:
             if entry is None:
                 return 0, None
             snapshot = self._snapshots[entry.handle]
+        if not snapshot.wait_until_filled():
+            with self._lock:
+                self.store.unpin(entry.handle)
+                self.store.remove(entry.handle)
+                self._drop(entry.handle)
+            return self.restore_longest(prompt_ids, state)
         try:
             snapshot.restore(state, self.ratio)
             if snapshot.length == len(prompt_ids):
@@ -106,7 +114,8 @@ class PrefixCache:
         with self._lock:
             if key in self._keys.values():      # already stored (or a hash twin: skipping is harmless)
                 return None
-        snapshot = Snapshot.capture(state, self.ratio, self.backend, logits)
+        snapshot = Snapshot.capture(state, self.ratio, self.backend, logits, self._copier)
+        self._reading = [(s, snap) for s, snap in self._reading if not snap.filled] + [(state, snapshot)]
         handle = next(self._handles)
         self.counters.captures += 1
         with self._lock:
@@ -123,6 +132,20 @@ class PrefixCache:
             self.counters.evictions += len(result.evicted)
         self.counters.saved += 1
         return handle
+
+    def wait_for_captures(self, state: SequenceState) -> None:
+        """Before `state` is emptied or overwritten below its length (a slot's next request): its snapshots' copies
+        are queued ahead of that work (on a GPU, the host does not wait for them to finish)."""
+        for source, snapshot in self._reading:
+            if source is state:
+                snapshot.wait_until_filled()
+        self._reading = [(s, snap) for s, snap in self._reading if s is not state]
+
+    def finish_captures(self) -> None:
+        """Wait until every capture's copies are done: before the states they read are freed (an engine's stop)."""
+        for _, snapshot in self._reading:
+            snapshot.finish()
+        self._reading = []
 
     def _drop(self, handle: int) -> None:
         self._snapshots.pop(handle, None)

@@ -4,33 +4,41 @@ Prefix-sized, not context-sized: for a P-token prefix, the K/V, raw indexer-key 
 first P positions, plus the whole recurrent, conv, PLE-conv and n-gram state, and the logits of the prefix's
 last token (so a prompt resent whole needs no forward at all). One flat buffer per snapshot
 (pinned host memory beside a discrete GPU, device memory on a unified-memory GPU, plain memory on CPU),
-carved into views, so a capture or a restore is one copy per tensor and one allocation.
+carved into views, so a capture or a restore is one copy per tensor and one allocation; a capture's allocation
+and copies happen off the prompt's path (SnapshotCopier).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from .state import AttentionState, DeltaNetState, SequenceState
 
+log = logging.getLogger("qwen4exp.snapshot")
+
 _ALIGN = 64
 _ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
 
-def _pieces(state: SequenceState, length: int, ratio: int) -> list[torch.Tensor]:
-    """The state tensors (or their prefix strips) a snapshot of `length` positions holds, in a fixed order."""
+def _pieces(state: SequenceState, length: int, ratio: int) -> list[tuple[torch.Tensor, bool]]:
+    """The state tensors (or their prefix strips) a snapshot of `length` positions holds, in a fixed order, each
+    with whether a later forward of the sequence overwrites it: the conv, recurrent and PLE states are updated
+    whole; the K/V, indexer-key and block-key strips below `length` are only ever appended past."""
     pieces = []
     for layer in state.layers:
         if isinstance(layer, AttentionState):
-            pieces += [layer.keys[:, :length], layer.values[:, :length], layer.index_keys[:length],
-                       layer.block_keys[:length // ratio]]
+            pieces += [(layer.keys[:, :length], False), (layer.values[:, :length], False),
+                       (layer.index_keys[:length], False), (layer.block_keys[:length // ratio], False)]
         elif isinstance(layer, DeltaNetState):
-            pieces += [layer.conv, layer.recurrent]
+            pieces += [(layer.conv, True), (layer.recurrent, True)]
     for index in sorted(state.ple):
-        pieces += [state.ple[index].conv, state.ple[index].context_ids]
+        pieces += [(state.ple[index].conv, True), (state.ple[index].context_ids, True)]
     return pieces
 
 
@@ -83,47 +91,132 @@ class SnapshotBackend:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pinned)
 
 
-class Snapshot:
-    def __init__(self, buffer: torch.Tensor, views: list[torch.Tensor], length: int, tier: str,
-                 logits: torch.Tensor | None = None):
-        self.buffer, self.views, self.length, self.tier, self.logits = buffer, views, length, tier, logits
+class SnapshotCopier:
+    """Fills snapshots' buffers off the prompt's path, one snapshot after another on a background thread: the
+    allocation (a pinned one takes tens of milliseconds, and a first long prompt's several hundred) happens on the
+    thread, and beside a GPU the copies run on their own stream, after the chunk that made the state and beside
+    the chunks after it. The prefix strips are read in place, since the sequence only appends past them; the
+    tensors a forward updates whole are copied on the prompt's stream first (a few MB)."""
 
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel()
+    def __init__(self, backend: "SnapshotBackend"):
+        self.backend = backend
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen4exp-snapshots")
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def copy(self, sources: list[torch.Tensor], total: int, offsets: list[int]) -> "Future[_Filled]":
+        """Queue the copy of `sources` (which nothing may overwrite until the copy is waited for) into one new
+        buffer of `total` bytes, each at its offset."""
+        device = sources[0].device
+        if device.type != "cuda":
+            return self._thread.submit(self._fill, sources, total, offsets, None, None)
+        made = torch.cuda.Event()
+        made.record(torch.cuda.current_stream(device))
+        return self._thread.submit(self._fill, sources, total, offsets, self._stream(device), made)
+
+    def _fill(self, sources: list[torch.Tensor], total: int, offsets: list[int], stream: torch.cuda.Stream | None,
+              made: torch.cuda.Event | None) -> "_Filled":
+        with contextlib.ExitStack() as context:
+            if stream is not None:
+                context.enter_context(torch.cuda.stream(stream))
+                stream.wait_event(made)
+            buffer = self.backend.allocate(total)
+            views = []
+            for source, offset in zip(sources, offsets):
+                view = buffer[offset:offset + source.numel() * source.element_size()]
+                view = view.view(source.dtype).view(source.shape)
+                view.copy_(source, non_blocking=True)
+                if stream is not None:
+                    # The prompt's stream may free or reuse a source's memory once this stream has read it.
+                    source.record_stream(stream)
+                views.append(view)
+            done = None
+            if stream is not None:
+                done = torch.cuda.Event()
+                done.record(stream)
+        return _Filled(buffer, views, done)
+
+
+@dataclass
+class _Filled:
+    buffer: torch.Tensor
+    views: list[torch.Tensor]
+    done: torch.cuda.Event | None      # recorded after the copies on a GPU; None where they ran on the thread
+
+
+class Snapshot:
+    def __init__(self, filled: "Future[_Filled]", nbytes: int, length: int, tier: str, device: torch.device,
+                 has_logits: bool):
+        self._filled, self.nbytes, self.length, self.tier = filled, nbytes, length, tier
+        self._device, self._has_logits = device, has_logits
 
     @classmethod
     def capture(cls, state: SequenceState, ratio: int, backend: SnapshotBackend,
-                logits: torch.Tensor | None = None) -> "Snapshot":
-        """Copy the state at its current length (and the last token's logits [V], when given). The copies
-        are queued on the current stream, so later work on the slot cannot overtake them."""
+                logits: torch.Tensor | None = None, copier: SnapshotCopier | None = None) -> "Snapshot":
+        """Copy the state at its current length (and the last token's logits [V], when given). The copy is
+        queued on `copier` (a new one when None): until `wait_until_filled` is called, nothing may overwrite
+        the state's strips below this length (a slot's reuse waits for it: PrefixCache.wait_for_captures)."""
         length = state.length
         if length % ratio:
             raise ValueError(f"a snapshot needs a length that is a multiple of {ratio}, got {length}")
-        pieces = _pieces(state, length, ratio) + ([logits] if logits is not None else [])
-        offsets, total = [], 0
-        for piece in pieces:
+        pieces = _pieces(state, length, ratio) + ([(logits, True)] if logits is not None else [])
+        sources, offsets, total = [], [], 0
+        for piece, overwritten in pieces:
+            sources.append(piece.clone() if overwritten else piece)
             offsets.append(total)
             total += -(-piece.numel() * piece.element_size() // _ALIGN) * _ALIGN
-        buffer = backend.allocate(total)
-        views = []
-        for piece, offset in zip(pieces, offsets):
-            nbytes = piece.numel() * piece.element_size()
-            view = buffer[offset:offset + nbytes].view(piece.dtype).view(piece.shape)
-            view.copy_(piece, non_blocking=True)
-            views.append(view)
-        if logits is not None:
-            return cls(buffer, views[:-1], length, backend.tier, logits=views[-1])
-        return cls(buffer, views, length, backend.tier)
+        copier = copier or SnapshotCopier(backend)
+        return cls(copier.copy(sources, total, offsets), total, length, backend.tier, sources[0].device,
+                   logits is not None)
+
+    def wait_until_filled(self) -> bool:
+        """Wait until the copies are queued, and order the device's current stream after them (the host does not
+        wait for the copies themselves). False when the fill failed (logged): the snapshot holds nothing."""
+        try:
+            filled = self._filled.result()
+        except Exception:  # noqa: BLE001 - a snapshot is an optimisation; its failure only loses it
+            log.exception("a prefix snapshot of %d tokens could not be filled", self.length)
+            return False
+        if filled.done is not None:
+            torch.cuda.current_stream(self._device).wait_event(filled.done)
+        return True
+
+    def finish(self) -> None:
+        """Wait on the host until the copies are done (before the state they read is freed)."""
+        if self.wait_until_filled():
+            done = self._filled.result().done
+            if done is not None:
+                done.synchronize()
+
+    @property
+    def filled(self) -> bool:
+        """Whether the copies are done (never waits)."""
+        if not self._filled.done():
+            return False
+        if self._filled.exception() is not None:
+            return True
+        done = self._filled.result().done
+        return done is None or done.query()
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """The prefix's last token's logits (wait_until_filled first)."""
+        return self._filled.result().views[-1] if self._has_logits else None
 
     def restore(self, state: SequenceState, ratio: int) -> None:
-        """Make `state` (any slot's) exactly the captured sequence at this snapshot's length."""
+        """Make `state` (any slot's) exactly the captured sequence at this snapshot's length (wait_until_filled
+        first)."""
         if self.length > state.capacity:
             raise ValueError(f"a {self.length}-token snapshot does not fit a slot of {state.capacity} positions")
+        views = self._filled.result().views[:-1 if self._has_logits else None]
         state.reset()
-        targets = _pieces(state, self.length, ratio)
-        if [t.shape for t in targets] != [v.shape for v in self.views]:
+        targets = [piece for piece, _ in _pieces(state, self.length, ratio)]
+        if [t.shape for t in targets] != [v.shape for v in views]:
             raise ValueError("this snapshot was taken from a differently shaped model state")
-        for target, view in zip(targets, self.views):
+        for target, view in zip(targets, views):
             target.copy_(view, non_blocking=True)
         state.length = self.length
