@@ -58,6 +58,33 @@ def _patched(owner, name: str, wrap):
             delattr(owner, name)
 
 
+@contextlib.contextmanager
+def triton_compiles():
+    """The names of the Triton kernels compiled while inside (each specialization Triton had not built in this
+    process: what a request waits for when the warm-up missed a shape), by wrapping JITFunction._do_compile."""
+    names: list[str] = []
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        yield names
+        return
+    original = getattr(JITFunction, "_do_compile", None)
+    if original is None:
+        names.append("(not counted: this Triton has no JITFunction._do_compile)")
+        yield names
+        return
+
+    def counted(self, *args, **kwargs):
+        names.append(self.fn.__name__)
+        return original(self, *args, **kwargs)
+
+    JITFunction._do_compile = counted
+    try:
+        yield names
+    finally:
+        JITFunction._do_compile = original
+
+
 def first_token_parts(engine: Engine, prompt: list[int], device: torch.device) -> dict:
     """Submit `prompt` (one new token) and step until its first token, timing each part; the request is run to
     its end before returning."""

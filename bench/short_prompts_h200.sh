@@ -37,7 +37,7 @@ batch=${BATCH:-false}
 for beside in ${BESIDE:-false true}; do
     tag=beside_$beside$([ "$batch" = true ] && echo _batch)
     QWEN4EXP_MODEL=$checkpoint QWEN4EXP_DECODE_BESIDE_PROMPTS=$beside QWEN4EXP_BATCH_PROMPTS=$batch \
-        qwen4exp serve --profile h200 --port "$port" > "$out/serve_$tag.log" 2>&1 &
+        qwen4exp serve --profile "${PROFILE:-h200}" --port "$port" > "$out/serve_$tag.log" 2>&1 &
     server=$!
     started=$(date +%s)
     until [ "$(curl -s -o /dev/null -w '%{http_code}' "$url/health")" = 200 ]; do

@@ -66,7 +66,7 @@ from pathlib import Path
 
 import torch
 
-from first_token_parts import first_token, first_token_parts, plain_first_token
+from first_token_parts import _segments, first_token, first_token_parts, plain_first_token, triton_compiles
 
 from qwen4exp.checkpoint.gguf_writer import MIXES, ONE_TYPE
 from qwen4exp.engine.engine import Engine
@@ -444,12 +444,17 @@ def measure_first_tokens(model, args, limit: int, device: torch.device) -> dict:
     plain_first_token(engine, prompt_ids(16, limit, 500), device)     # a running engine, as a server's
     results = []
     for n in lengths:
-        first_s = plain_first_token(engine, prompt_ids(n, limit, 600 + n), device)
+        segments = _segments(device)
+        with triton_compiles() as compiled:
+            first_s = plain_first_token(engine, prompt_ids(n, limit, 600 + n), device)
+        first_segments = None if segments is None else _segments(device) - segments
         again_s = plain_first_token(engine, prompt_ids(n, limit, 700 + n), device)
         split = first_token_parts(engine, prompt_ids(n, limit, 800 + n), device)
         if split["error"]:
             raise RuntimeError(f"the {n}-token prompt failed: {split['error']}")
-        results.append({"tokens": n, "first_s": first_s, "plain_s": again_s, "tokens_per_s": n / again_s, **split})
+        results.append({"tokens": n, "first_s": first_s, "first_compiles": compiled,
+                        "first_new_device_segments": first_segments, "plain_s": again_s,
+                        "tokens_per_s": n / again_s, **split})
     del engine, cache
     release(device)
     return {"warm_up_s": warm_up_s, "prompts": results}
@@ -805,6 +810,9 @@ def table(r: dict) -> str:
         for f in r["first_tokens"]["prompts"]:
             parts = ", ".join(f"{k} {v * 1000:.1f}" for k, v in f["parts_s"].items() if v >= 0.0005)
             lines.append(f"{f['tokens']:<12}{f['first_s']:>9.3f}{f['plain_s']:>9.3f}{f['ttft_s']:>9.3f}  ms: {parts}")
+            if f.get("first_compiles") or f.get("first_new_device_segments"):
+                lines.append(f"{'':<12}the first: {f.get('first_new_device_segments')} new device segments, "
+                             f"compiled {', '.join(f.get('first_compiles') or []) or 'nothing'}")
     m = r["memory"]
     if m.get("peak_allocated_bytes"):
         lines.append(f"peak device memory {m['peak_allocated_bytes'] / GiB:.1f} GiB "
