@@ -82,6 +82,19 @@ def test_a_prompt_of_any_length_runs_the_binaries_the_warm_up_built(preset, quan
     assert [launch.describe() for launch in others if launch.key() not in warmed] == []
 
 
+def test_a_long_prompts_far_chunks_run_the_binaries_the_warm_up_built():
+    """Far into a 262144-token context the indexer ranks a 4096-token chunk's queries in slices (3 to 8 of them
+    on the bench shape); each slice's launches must be the warm-up's binaries too. Slices that started at any
+    row had unaligned views, and the H200 compiled two more binaries of the selection kernel during a first
+    262144-token prompt (docs/PERFORMANCE.md)."""
+    config = ModelConfig.from_dict(preset_config("bench", dtype="bfloat16"))
+    kinds = tuple(sorted({rows for _, rows in warm_up_chunks(config, 4096, capacity=1 << 20)}))
+    warmed = {launch.key() for launch in recorded("bench", "sm_90", chunks=kinds, decode_rows=(1,))}
+    far = recorded("bench", "sm_90", chunks=(4096,), decode_rows=(1,), capacity=262144,
+                   starts=tuple(4096 * k for k in (20, 36, 44, 52, 63)))
+    assert [launch.describe() for launch in far if launch.key() not in warmed] == []
+
+
 def test_the_recorded_launches_reach_every_kernel_of_the_package():
     launched = {launch.name for launch in engine_launches("sm_90")}
     assert package_kernels() - launched == set()

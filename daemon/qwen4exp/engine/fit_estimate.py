@@ -195,7 +195,7 @@ def chunk_workspace(facts: ModelFacts, backend: str, position: int, rows: int) -
     runs it), term by term; the sum is what the planner is given. `backend`: "triton" (bf16/fp16 on a GPU: the
     kernels of kernels/) or "torch" (the torch forms: the CPU, float32)."""
     from ..kernels.moe_blocks import DENSE_FROM
-    from .model import qsa
+    from .model import qsa, triton_ops
 
     cfg = facts.cfg
     itemsize = _torch_dtype(facts.dtype).itemsize
@@ -210,8 +210,8 @@ def chunk_workspace(facts: ModelFacts, backend: str, position: int, rows: int) -
     sparse = any(cfg.is_qsa(i) for i in range(cfg.num_hidden_layers)) and position > cfg.dense_limit
     if triton:
         if sparse:   # triton_ops._chunk_token_lists: int64 ranking keys of one query slice, the token lists
-            most = max(qsa.QUERY_SLICE, qsa.SCORE_BUDGET_BYTES // (16 * n_blocks))
-            slice_rows = max(last - first for first, last in qsa.query_slices(rows, most))
+            slices = qsa.query_slices(rows, triton_ops.ranking_slice_rows(n_blocks), align=triton_ops.SLICE_ALIGN)
+            slice_rows = max(last - first for first, last in slices)
             terms["ranking keys"] = slice_rows * n_blocks * 8
             terms["token lists"] = rows * (cfg.block_topk + 1) * ratio * 5
         if facts.dense_stacks and rows * cfg.num_experts_per_tok >= DENSE_FROM * cfg.num_experts:

@@ -60,11 +60,14 @@ def quantized_for(config: ModelConfig, gguf: str) -> dict:
 
 
 def record(config: ModelConfig, target: guard.Target, chunks=CHUNKS, decode_rows=DECODE_ROWS,
-           device: torch.device | None = None, quantized: dict | None = None) -> list[ahead_of_time.Launch]:
+           device: torch.device | None = None, quantized: dict | None = None, starts: tuple[int, ...] | None = None,
+           capacity: int = CAPACITY) -> list[ahead_of_time.Launch]:
     """The distinct kernel launches of prefill and decode for `config` on `target` (guard.NOT_BUILT's ops
     included: they are what is left out there, and why). With a GPU `device` (of `target`), the kernels also run
     there, and each launch keeps the hash of the binary Triton's launcher compiled for it. `quantized`: the
-    weights a GGUF keeps as blocks (quantized_for), as build_model takes them."""
+    weights a GGUF keeps as blocks (quantized_for), as build_model takes them. `starts`: the positions the prompt
+    chunks start at (default: the prompt's start and the first grid position past QSA's dense reach), in states
+    of `capacity` positions."""
     device = device or torch.device("meta")
     with guard.compiling_for(target), ahead_of_time.recording(_op_in_flight, launch=device.type != "meta") as launches:
         with device:
@@ -74,14 +77,14 @@ def record(config: ModelConfig, target: guard.Target, chunks=CHUNKS, decode_rows
         model.ops = OwnKernels()   # every kernel of ours, also those NOT_BUILT leaves out on this target
         # QSA attends densely while a query sees no more than the indexer's budget; a chunk on the engine's
         # grid (multiples of the largest chunk) past that point ranks the blocks.
-        for start in (0, (config.dense_limit // max(chunks) + 1) * max(chunks)):
+        for start in starts or (0, (config.dense_limit // max(chunks) + 1) * max(chunks)):
             for chunk in chunks:
-                state = SequenceState(config, CAPACITY, device, DTYPE)
+                state = SequenceState(config, capacity, device, DTYPE)
                 state.length = start
                 model(torch.zeros(chunk, dtype=torch.long, device=device), state)
-        rope = model.rope_table(CAPACITY, device)
+        rope = model.rope_table(capacity, device)
         for rows in decode_rows:
-            states = StateBatch(config, rows, CAPACITY, device, DTYPE)
+            states = StateBatch(config, rows, capacity, device, DTYPE)
             ids = torch.zeros(rows, dtype=torch.long, device=device)
             model.decode_rows(ids, ids, torch.ones(rows, dtype=torch.bool, device=device), states, rope)
     return ahead_of_time.distinct(launches)

@@ -38,14 +38,15 @@ def _slice_rows(n_blocks: int, heads: int) -> int:
     return max(QUERY_SLICE, SCORE_BUDGET_BYTES // per_row)
 
 
-def query_slices(n: int, most: int | None = None) -> list[tuple[int, int]]:
+def query_slices(n: int, most: int | None = None, align: int = 1) -> list[tuple[int, int]]:
     """[first, last) row ranges of near-equal size: one range up to `most` (QUERY_SLICE, at least 32) rows, else
     ranges of 16 rows or more. A slice's GEMM then takes the same kernels as the whole chunk's and rounds alike; a
-    short one may not (MKL has other paths for a few rows, and einsum swaps its operands for a lone row)."""
+    short one may not (MKL has other paths for a few rows, and einsum swaps its operands for a lone row).
+    `align`: the ranges start at multiples of it (a range may then pass `most` by up to align - 1 rows)."""
     most = max(32, QUERY_SLICE if most is None else most)
     count = -(-n // most)
-    bounds = [i * n // count for i in range(count + 1)]
-    return list(pairwise(bounds))
+    bounds = [i * n // count // align * align for i in range(count)] + [n]
+    return [(first, last) for first, last in pairwise(bounds) if last > first]
 
 
 def token_lists(chosen: torch.Tensor, complete: torch.Tensor, positions: torch.Tensor, ratio: int,

@@ -146,14 +146,22 @@ class TritonOps(TorchOps):
         width = (indexer.block_topk + 1) * indexer.ratio
         index = torch.empty(n, width, dtype=torch.int32, device=device)
         valid = torch.empty(n, width, dtype=torch.bool, device=device)
-        # The ranking keys ([rows, n_blocks] int64) are the work space that grows with the prefix (slices read
-        # from qsa at each call: the same bounds as the torch selection's).
-        slice_rows = max(qsa.QUERY_SLICE, qsa.SCORE_BUDGET_BYTES // (16 * blocks.shape[0]))
-        for first, last in qsa.query_slices(n, slice_rows):
+        # The ranking keys ([rows, n_blocks] int64) are the work space that grows with the prefix. Slices start at
+        # multiples of 16 rows, so their views of the positions and lists are 16-byte aligned as the warm-up's
+        # whole chunk is: Triton builds another binary for a pointer that is not, on a long prompt's path.
+        for first, last in qsa.query_slices(n, ranking_slice_rows(blocks.shape[0]), align=SLICE_ALIGN):
             keys = qsa_attention.rank_blocks(index_q[first:last], blocks, complete[first:last])
             qsa_select.token_lists(keys, complete[first:last], positions[first:last], indexer.block_topk,
                                    indexer.ratio, capacity, out=(index[first:last], valid[first:last]))
         return index, valid
+
+
+SLICE_ALIGN = 16
+
+
+def ranking_slice_rows(n_blocks: int) -> int:
+    """Most queries ranked at once: their int64 keys over `n_blocks` blocks take SCORE_BUDGET_BYTES / 2."""
+    return max(qsa.QUERY_SLICE, qsa.SCORE_BUDGET_BYTES // (16 * n_blocks))
 
 
 TRITON_OPS = TritonOps()
