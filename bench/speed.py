@@ -390,6 +390,11 @@ def measure_prefix_cache(model, args, limit: int, device: torch.device) -> dict:
                           compile_decode=args.compile_decode)
     cache = config.new_prefix_cache(model, device)
     engine = Engine.from_config(model, config, prefix_cache=cache)
+    # As the daemon's worker does. This engine's context (the prompt's length and a few) is no multiple of 16, as
+    # a fitted one is, so the kernels that take it build other binaries than the first engine's: without the
+    # warm-up the cold figure held their compile (docs/PERFORMANCE.md).
+    if device.type == "cuda":
+        engine.warm_up()
     prompt = prompt_ids(args.ttft_tokens, limit, 300)
     served, _ = first_token(engine, prompt_ids(16, limit, 301), 2, device)   # a running engine, as a server's
     engine.run_until_idle()

@@ -28,6 +28,7 @@ def test_health_props_and_llama_server_fields(server):
     assert props["context"] == CONTEXT and props["total_slots"] == 2
     assert props["default_generation_settings"]["n_ctx"] == CONTEXT
     assert props["prefix_cache"]["tier"] == "host"
+    assert props["decode_beside_prompts"] is False and props["batch_prompts"] is False      # the tiny profile's
 
 
 def test_generate_json_and_usage(server):

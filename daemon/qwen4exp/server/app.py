@@ -80,6 +80,9 @@ async def props(request: web.Request) -> web.Response:
         "plan": supervisor.info.get("plan"),
         "slots": engine.slots,
         "chunk": engine.chunk,
+        # How prompt chunks share the engine with the rest (docs/CONFIG.md): what the profile asked for.
+        "decode_beside_prompts": engine.decode_beside_prompts,
+        "batch_prompts": engine.batch_prompts,
         "device": supervisor.info.get("device"),
         "warm_up_s": supervisor.info.get("warm_up_seconds"),
         "dtype": engine.dtype,
