@@ -87,6 +87,9 @@ def test_batched_prompts_share_one_forward_and_give_their_rows_alone(model, monk
     engine.run_until_idle()
     assert batches[0] == [3, 5, 8, 11]          # 27 rows: one chunk's 32
     assert all(sum(batch) <= CHUNK for batch in batches)
+    # The counts /metrics shows: the 70-token prompt's 3 chunks each in a forward of their own or in a batch.
+    counters = engine.counters
+    assert counters.prompt_chunks == 4 + 3 and counters.prompt_forwards == 7 - sum(len(b) - 1 for b in batches)
     for spec, request in zip(specs, requests):
         assert_same_logits(request, _alone(model, spec), f"a {len(spec['prompt_ids'])}-token prompt")
 

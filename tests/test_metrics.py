@@ -71,7 +71,8 @@ DAEMON_METRICS = {
     "qwen4exp_connections_refused_total", "qwen4exp_worker_resident_bytes", "qwen4exp_slots", "qwen4exp_busy_slots",
     "qwen4exp_queue_length", "qwen4exp_prefix_cache_bytes", "qwen4exp_prefix_cache_entries",
     "qwen4exp_prefix_cache_hits_total", "qwen4exp_prefix_cache_misses_total", "qwen4exp_prefix_cache_evictions_total",
-    "qwen4exp_prefix_cache_restored_tokens_total",
+    "qwen4exp_prefix_cache_restored_tokens_total", "qwen4exp_prompt_forwards_total", "qwen4exp_prompt_chunks_total",
+    "qwen4exp_decode_steps_total", "qwen4exp_decode_steps_beside_prompts_total",
 }
 GPU_ONLY = {"qwen4exp_gpu_allocated_bytes"}
 
@@ -215,6 +216,15 @@ def test_live_requests_are_counted_as_vllm_counts_them(server):
     assert 0 < delta("e2e_request_latency_seconds_sum") and 0 < delta("request_prefill_time_seconds_sum")
     assert delta("time_to_first_token_seconds_sum") >= delta("request_prefill_time_seconds_sum")
     assert value(after, "qwen4exp:num_requests_running") == 0 == value(after, "qwen4exp:num_requests_waiting")
+    # The engine loop's own counts: one request at a time, its prompt's chunks (on the chunk grid, from its cached
+    # prefix) each in a forward of its own, and a decode step for each token after the first (a request that
+    # stops on a stop token ran one more).
+    loop = {name: after[(f"qwen4exp_{name}_total", ())] - before[(f"qwen4exp_{name}_total", ())]
+            for name in ("prompt_forwards", "prompt_chunks", "decode_steps", "decode_steps_beside_prompts")}
+    chunk = server.request("GET", "/props")[1]["chunk"]
+    chunks = sum(-(-u["prompt_tokens"] // chunk) - u["cached_prompt_tokens"] // chunk for u in usages)
+    assert loop["prompt_forwards"] == loop["prompt_chunks"] == chunks
+    assert generated - finished <= loop["decode_steps"] <= generated and loop["decode_steps_beside_prompts"] == 0
 
 
 def test_names_labels_buckets_and_vllm_dashboard(server):

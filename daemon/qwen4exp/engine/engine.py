@@ -41,6 +41,16 @@ SHORT_CHUNK_ROWS = 512
 
 
 @dataclass
+class EngineCounters:
+    """What the loop ran since the engine was made; /metrics shows them (prompt_chunks / prompt_forwards is how
+    many slots' chunks a prompt forward ran together, with batch_prompts)."""
+    prompt_forwards: int = 0           # forwards of prompt chunks that completed (one chunk, or a batch of them)
+    prompt_chunks: int = 0             # prompt chunks those forwards ran
+    decode_steps: int = 0              # decode steps launched
+    decode_steps_beside_prompts: int = 0   # ... of them between a prompt forward's layers
+
+
+@dataclass
 class _PromptChunk:
     """One slot's next prompt chunk in a prefill forward, and its carried state from before (for a retry)."""
     slot: Slot
@@ -110,6 +120,7 @@ class Engine:
         # routed experts' weight reads, which a short prompt's chunk spends most of its device time on.
         self.batch_prompts = batch_prompts
         self._launched: tuple[LaunchedStep, list[Slot]] | None = None
+        self.counters = EngineCounters()
         self.queue_limit = queue_limit
         self._queue: collections.deque[Request] = collections.deque()
         self._cancelled: set[str] = set()
@@ -343,7 +354,10 @@ class Engine:
                     return [self.model(group[0].ids, group[0].slot.state, between_layers=beside)]
                 return self.model.forward_chunks([(c.ids, c.slot.state) for c in group], between_layers=beside)
             what = "; ".join(f"the prompt chunk {c.begin}..{c.end} of {c.request.id}" for c in group)
-            return run_with_oom_retry(attempt, self.device, what)
+            logits = run_with_oom_retry(attempt, self.device, what)
+            self.counters.prompt_forwards += 1
+            self.counters.prompt_chunks += len(group)
+            return logits
 
         def alone(chunk: _PromptChunk) -> torch.Tensor | str:
             try:
@@ -460,6 +474,8 @@ class Engine:
         for slot in active:
             slot.state.length += 1
         self._launched = (launched, active)
+        self.counters.decode_steps += 1
+        self.counters.decode_steps_beside_prompts += bool(idle_positions)
 
     def _finish_decode(self) -> None:
         """Choose each decoding slot's token from the launched step (every greedy row's from one argmax)."""

@@ -255,6 +255,16 @@ def _daemon_metrics(supervisor, stats: dict, guard) -> str:
         out.append(_line("qwen4exp_slots", stats["slots"], "engine slots"))
         out.append(_line("qwen4exp_busy_slots", stats["busy_slots"], "slots serving a request"))
         out.append(_line("qwen4exp_queue_length", stats["queued"], "requests waiting for a slot"))
+    loop = stats.get("loop")
+    if loop:    # the running engine's own counts: they start again from 0 after a park or a worker restart
+        out += [
+            _line("qwen4exp_prompt_forwards_total", loop["prompt_forwards"], "forwards of prompt chunks (one chunk, "
+                  "or with batch_prompts several slots' chunks together)", "counter"),
+            _line("qwen4exp_prompt_chunks_total", loop["prompt_chunks"], "prompt chunks run", "counter"),
+            _line("qwen4exp_decode_steps_total", loop["decode_steps"], "decode steps", "counter"),
+            _line("qwen4exp_decode_steps_beside_prompts_total", loop["decode_steps_beside_prompts"],
+                  "decode steps run between a prompt forward's layers (decode_beside_prompts)", "counter"),
+        ]
     cache = stats.get("prefix_cache")
     if cache:
         store = cache["store"]

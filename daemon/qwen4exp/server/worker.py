@@ -150,7 +150,7 @@ class Worker:
         if engine is not None:
             busy = engine.pool.busy()
             info.update(busy_slots=len(busy), slots=len(engine.pool.slots), queued=engine.queued, chunk=engine.chunk,
-                        used_positions=sum(slot.state.length for slot in busy))
+                        used_positions=sum(slot.state.length for slot in busy), loop=dict(vars(engine.counters)))
         if self.cache is not None:
             info["prefix_cache"] = self.cache.stats()
         info["memory"] = _memory_in_use()
