@@ -6,6 +6,7 @@ GPU host with `pytest -m gpu`."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -133,6 +134,26 @@ def test_warm_equals_cold_from_pinned_host_snapshots(models, name, compiled):
     warm = _run(engine, specs[::-1], [0, 0, 0, 0])[::-1]      # other slots than at capture
     assert warm == first == cold
     assert cache.counters.restored_tokens == 144 * 2 + 160 * 2
+
+
+def test_an_engine_made_while_snapshots_copy_captures_its_graph(models):
+    """Snapshots are filled by a background thread (pinned allocations, copies on their own stream). An engine made
+    meanwhile (here one with no cache) captures its decode step as a CUDA graph; a driver call from the copier
+    during that capture would invalidate it and leave the process unable to capture at all. The capture waits for
+    the copies queued so far (held back here until shortly after it begins), and the engine serves as usual."""
+    model = models["bfloat16"]
+    cache = PrefixCache(CHUNK, 1 << 30, SnapshotBackend.for_device(torch.device("cuda")),
+                        model.config.indexer_compress_ratio)
+    engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, prefix_cache=cache)
+    specs = [dict(prompt_ids=_prompt(n, seed=70 + n), max_tokens=8) for n in (150, 160)]
+    held = threading.Event()
+    cache._copier._thread.submit(held.wait)
+    first = _run(engine, specs, [0, 0])                 # its snapshots' copies wait behind `held`
+    threading.Timer(0.5, held.set).start()
+    other = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK)
+    assert other.decoder.graph is not None and held.is_set()
+    assert _run(other, specs, [0, 0]) == first
+    engine.stop()
 
 
 def test_float32_engine_follows_reference_greedy_ids(models, tiny_checkpoint):

@@ -102,8 +102,9 @@ def test_restore_into_another_slot_beside_other_requests(model, monkeypatch):
 
 def test_a_slot_reused_before_its_snapshots_are_copied_keeps_them_exact(model, monkeypatch):
     """A snapshot is filled on a background thread, reading the slot's K/V in place. Hold that thread back until
-    the slot's next request has its first token (a timer lets it go if that request rightly waits): the next
-    request must not overwrite the prefix first, so the first prompt resent comes back with its cold logits."""
+    the slot's next request has its first token (a timer, started once the first request is done, lets it go if
+    that request rightly waits): the next request must not overwrite the prefix first, so the first prompt resent
+    comes back with its cold logits."""
     record_logits(monkeypatch)
     first = _prompt(96, seed=21)
     cold_reference, = _run(_engine(model, slots=1), Request(prompt_ids=first, max_tokens=6))
@@ -111,14 +112,29 @@ def test_a_slot_reused_before_its_snapshots_are_copied_keeps_them_exact(model, m
     engine = _engine(model, cache, slots=1)
     held = threading.Event()
     cache._copier._thread.submit(held.wait)
-    timer = threading.Timer(1.0, held.set)
+    _run(engine, Request(prompt_ids=first, max_tokens=6))        # its snapshots' copies wait behind `held`
+    timer = threading.Timer(2.0, held.set)
     timer.start()
-    _run(engine, Request(prompt_ids=first, max_tokens=6),
-         Request(prompt_ids=_prompt(128, seed=22), max_tokens=2, on_token=lambda *_: held.set()))
+    _run(engine, Request(prompt_ids=_prompt(128, seed=22), max_tokens=2, on_token=lambda *_: held.set()))
     timer.cancel()
     warm, = _run(engine, Request(prompt_ids=first, max_tokens=6))
     assert warm.cached_tokens == 96
     assert_same_logits(warm, cold_reference, "restored after the slot was reused")
+
+
+def test_a_snapshot_the_store_refuses_is_never_copied(model, monkeypatch):
+    """Under a resident limit smaller than one snapshot every capture is refused, before any buffer is made (a
+    copy made anyway would take host memory past the limit), and the request is answered as without a cache."""
+    cache = _cache(model, limit=1024)
+    allocations = []
+    real = type(cache.backend).allocate
+    monkeypatch.setattr(type(cache.backend), "allocate", lambda self, n: allocations.append(n) or real(self, n))
+    prompt = _prompt(70, seed=31)
+    cached, = _run(_engine(model, cache), Request(prompt_ids=prompt, max_tokens=4))
+    plain, = _run(_engine(model), Request(prompt_ids=prompt, max_tokens=4))
+    cache.finish_captures()             # any copy queued has made its buffer by now
+    assert cache.counters.captures > 0 and cache.counters.refused == cache.counters.captures
+    assert allocations == [] and cached.output_ids == plain.output_ids
 
 
 def test_snapshot_restores_the_state_exactly(model):

@@ -16,6 +16,7 @@ import torch
 
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .state import StateBatch
+from .snapshot import quiesce_snapshot_copies
 
 log = logging.getLogger("qwen4exp.engine")
 
@@ -85,6 +86,7 @@ class DecodeRunner:
             for _ in range(2):              # compile and tune every kernel outside the capture
                 self._run()
         torch.cuda.current_stream(self.device).wait_stream(side)
+        quiesce_snapshot_copies()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._logits = self._run()

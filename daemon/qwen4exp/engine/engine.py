@@ -102,9 +102,6 @@ class Engine:
                 raise ValueError(f"the prefix cache holds snapshots cut at chunk {prefix_cache.chunk}; "
                                  f"this engine cuts at {chunk}")
             prefix_cache.chunk = chunk
-            # A copy still running for an engine before this one must not be on a stream while the decode step's
-            # CUDA graph is captured.
-            prefix_cache.finish_captures()
         self.prefix_cache = prefix_cache
         self.model, self.context, self.chunk, self.restore_spacing = model, context, chunk, spacing
         self.tokenizer = tokenizer
@@ -152,6 +149,8 @@ class Engine:
         if self.pool.busy() or self._thread is not None:
             raise RuntimeError("warm the engine up before it serves")
         started = time.perf_counter()
+        if self.prefix_cache is not None:       # requests run before (tests, benches) may still be copying it
+            self.prefix_cache.wait_for_captures(self.pool.slots[0].state)
         warm_up(self.model, self.pool.slots[0].state, self.chunk, self.device)
         return time.perf_counter() - started
 

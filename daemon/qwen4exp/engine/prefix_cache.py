@@ -16,7 +16,7 @@ from array import array
 import torch
 from dataclasses import dataclass
 
-from .._core import PrefixStore, PrefixStoreFull
+from .._core import PrefixStore, PrefixStoreError, PrefixStoreFull
 from .snapshot import Snapshot, SnapshotBackend, SnapshotCopier
 from .state import SequenceState
 
@@ -114,22 +114,30 @@ class PrefixCache:
         with self._lock:
             if key in self._keys.values():      # already stored (or a hash twin: skipping is harmless)
                 return None
-        snapshot = Snapshot.capture(state, self.ratio, self.backend, logits, self._copier)
-        self._reading = [(s, snap) for s, snap in self._reading if not snap.filled] + [(state, snapshot)]
+        # The store decides first, so that a refused snapshot is never copied.
+        nbytes = Snapshot.nbytes_for(state, self.ratio, logits)
         handle = next(self._handles)
         self.counters.captures += 1
         with self._lock:
             try:
-                result = self.store.insert(tokens, handle, snapshot.nbytes, tier=self.backend.tier)
+                result = self.store.insert(tokens, handle, nbytes, tier=self.backend.tier)
             except PrefixStoreFull as err:
                 self.counters.refused += 1
-                log.info("prefix snapshot of %d tokens not kept: %s", snapshot.length, err)
+                log.info("prefix snapshot of %d tokens not kept: %s", state.length, err)
                 return None
-            self._snapshots[handle] = snapshot
-            self._keys[handle] = key
             for evicted in result.evicted:
                 self._drop(evicted)
             self.counters.evictions += len(result.evicted)
+        try:
+            snapshot = Snapshot.capture(state, self.ratio, self.backend, logits, self._copier)
+        except Exception:
+            with self._lock:
+                self.store.remove(handle)
+            raise
+        with self._lock:
+            self._snapshots[handle] = snapshot
+            self._keys[handle] = key
+        self._reading = [(s, snap) for s, snap in self._reading if not snap.filled] + [(state, snapshot)]
         self.counters.saved += 1
         return handle
 
@@ -137,15 +145,27 @@ class PrefixCache:
         """Before `state` is emptied or overwritten below its length (a slot's next request): its snapshots' copies
         are queued ahead of that work (on a GPU, the host does not wait for them to finish)."""
         for source, snapshot in self._reading:
-            if source is state:
-                snapshot.wait_until_filled()
+            if source is state and not snapshot.wait_until_filled():
+                self._forget(snapshot)
         self._reading = [(s, snap) for s, snap in self._reading if s is not state]
 
     def finish_captures(self) -> None:
         """Wait until every capture's copies are done: before the states they read are freed (an engine's stop)."""
         for _, snapshot in self._reading:
-            snapshot.finish()
+            if not snapshot.finish():
+                self._forget(snapshot)
         self._reading = []
+
+    def _forget(self, snapshot: Snapshot) -> None:
+        """A snapshot whose copy failed leaves the store (its bytes would push good ones out)."""
+        with self._lock:
+            for handle, kept in list(self._snapshots.items()):
+                if kept is snapshot:
+                    try:
+                        self.store.remove(handle)
+                    except PrefixStoreError:        # pinned by a restore, which drops it itself
+                        return
+                    self._drop(handle)
 
     def _drop(self, handle: int) -> None:
         self._snapshots.pop(handle, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -33,13 +34,29 @@ def _pieces(state: SequenceState, length: int, ratio: int) -> list[tuple[torch.T
     pieces = []
     for layer in state.layers:
         if isinstance(layer, AttentionState):
-            pieces += [(layer.keys[:, :length], False), (layer.values[:, :length], False),
-                       (layer.index_keys[:length], False), (layer.block_keys[:length // ratio], False)]
+            # A head's strip is contiguous, where [:, :length] of several heads is not: a copy of a strided source
+            # would first make a contiguous one on the device, out of memory the context fit does not count.
+            for cache in (layer.keys, layer.values):
+                pieces += [(cache[head, :length], False) for head in range(cache.shape[0])]
+            pieces += [(layer.index_keys[:length], False), (layer.block_keys[:length // ratio], False)]
         elif isinstance(layer, DeltaNetState):
             pieces += [(layer.conv, True), (layer.recurrent, True)]
     for index in sorted(state.ple):
         pieces += [(state.ple[index].conv, True), (state.ple[index].context_ids, True)]
     return pieces
+
+
+def _layout(state: SequenceState, ratio: int, logits: torch.Tensor | None
+            ) -> tuple[list[tuple[torch.Tensor, bool]], list[int], int]:
+    """A snapshot of `state` at its length: its pieces, each one's offset in the buffer, and the buffer's bytes."""
+    if state.length % ratio:
+        raise ValueError(f"a snapshot needs a length that is a multiple of {ratio}, got {state.length}")
+    pieces = _pieces(state, state.length, ratio) + ([(logits, True)] if logits is not None else [])
+    offsets, total = [], 0
+    for piece, _ in pieces:
+        offsets.append(total)
+        total += -(-piece.numel() * piece.element_size() // _ALIGN) * _ALIGN
+    return pieces, offsets, total
 
 
 def pin_in_threads() -> None:
@@ -102,6 +119,11 @@ class SnapshotCopier:
         self.backend = backend
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qwen4exp-snapshots")
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        _COPIERS.add(self)
+
+    def quiesce(self) -> None:
+        """Wait until every copy queued so far has made its calls to the driver (allocations, copies queued)."""
+        self._thread.submit(lambda: None).result()
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -141,6 +163,16 @@ class SnapshotCopier:
         return _Filled(buffer, views, done)
 
 
+_COPIERS: "weakref.WeakSet[SnapshotCopier]" = weakref.WeakSet()
+
+
+def quiesce_snapshot_copies() -> None:
+    """Before a CUDA graph capture: a copier's thread allocating pinned memory during one (another engine's, or
+    an engine's with no prefix cache) would invalidate the capture and leave the process unable to capture."""
+    for copier in list(_COPIERS):
+        copier.quiesce()
+
+
 @dataclass
 class _Filled:
     buffer: torch.Tensor
@@ -153,6 +185,7 @@ class Snapshot:
                  has_logits: bool):
         self._filled, self.nbytes, self.length, self.tier = filled, nbytes, length, tier
         self._device, self._has_logits = device, has_logits
+        self._failure_logged = False
 
     @classmethod
     def capture(cls, state: SequenceState, ratio: int, backend: SnapshotBackend,
@@ -160,37 +193,40 @@ class Snapshot:
         """Copy the state at its current length (and the last token's logits [V], when given). The copy is
         queued on `copier` (a new one when None): until `wait_until_filled` is called, nothing may overwrite
         the state's strips below this length (a slot's reuse waits for it: PrefixCache.wait_for_captures)."""
-        length = state.length
-        if length % ratio:
-            raise ValueError(f"a snapshot needs a length that is a multiple of {ratio}, got {length}")
-        pieces = _pieces(state, length, ratio) + ([(logits, True)] if logits is not None else [])
-        sources, offsets, total = [], [], 0
-        for piece, overwritten in pieces:
-            sources.append(piece.clone() if overwritten else piece)
-            offsets.append(total)
-            total += -(-piece.numel() * piece.element_size() // _ALIGN) * _ALIGN
+        pieces, offsets, total = _layout(state, ratio, logits)
+        sources = [piece.clone() if overwritten else piece for piece, overwritten in pieces]
         copier = copier or SnapshotCopier(backend)
-        return cls(copier.copy(sources, total, offsets), total, length, backend.tier, sources[0].device,
+        return cls(copier.copy(sources, total, offsets), total, state.length, backend.tier, sources[0].device,
                    logits is not None)
+
+    @staticmethod
+    def nbytes_for(state: SequenceState, ratio: int, logits: torch.Tensor | None = None) -> int:
+        """The bytes a capture of `state` now would take (to ask the store before copying anything)."""
+        return _layout(state, ratio, logits)[2]
 
     def wait_until_filled(self) -> bool:
         """Wait until the copies are queued, and order the device's current stream after them (the host does not
-        wait for the copies themselves). False when the fill failed (logged): the snapshot holds nothing."""
+        wait for the copies themselves). False when the fill failed (logged once): the snapshot holds nothing."""
         try:
             filled = self._filled.result()
         except Exception:  # noqa: BLE001 - a snapshot is an optimisation; its failure only loses it
-            log.exception("a prefix snapshot of %d tokens could not be filled", self.length)
+            if not self._failure_logged:
+                self._failure_logged = True
+                log.exception("a prefix snapshot of %d tokens could not be filled", self.length)
             return False
         if filled.done is not None:
             torch.cuda.current_stream(self._device).wait_event(filled.done)
         return True
 
-    def finish(self) -> None:
-        """Wait on the host until the copies are done (before the state they read is freed)."""
-        if self.wait_until_filled():
-            done = self._filled.result().done
-            if done is not None:
-                done.synchronize()
+    def finish(self) -> bool:
+        """Wait on the host until the copies are done (before the state they read is freed). False when the fill
+        failed."""
+        if not self.wait_until_filled():
+            return False
+        done = self._filled.result().done
+        if done is not None:
+            done.synchronize()
+        return True
 
     @property
     def filled(self) -> bool:
@@ -202,17 +238,22 @@ class Snapshot:
         done = self._filled.result().done
         return done is None or done.query()
 
+    def _views(self) -> list[torch.Tensor]:
+        """The buffer's views, the current stream ordered after their copies."""
+        if not self.wait_until_filled():
+            raise RuntimeError(f"the prefix snapshot of {self.length} tokens holds nothing: its copy failed")
+        return self._filled.result().views
+
     @property
     def logits(self) -> torch.Tensor | None:
-        """The prefix's last token's logits (wait_until_filled first)."""
-        return self._filled.result().views[-1] if self._has_logits else None
+        """The prefix's last token's logits."""
+        return self._views()[-1] if self._has_logits else None
 
     def restore(self, state: SequenceState, ratio: int) -> None:
-        """Make `state` (any slot's) exactly the captured sequence at this snapshot's length (wait_until_filled
-        first)."""
+        """Make `state` (any slot's) exactly the captured sequence at this snapshot's length."""
         if self.length > state.capacity:
             raise ValueError(f"a {self.length}-token snapshot does not fit a slot of {state.capacity} positions")
-        views = self._filled.result().views[:-1 if self._has_logits else None]
+        views = self._views()[:-1 if self._has_logits else None]
         state.reset()
         targets = [piece for piece, _ in _pieces(state, self.length, ratio)]
         if [t.shape for t in targets] != [v.shape for v in views]:
