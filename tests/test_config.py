@@ -169,7 +169,7 @@ def test_wrong_type_names_file_key_value_and_expectation(etc, tmp_path):
     ("chunk = 96\n[prefix_cache]\nspacing = 64\n", "prefix_cache.spacing: the restore spacing"),
     ('[[devices]]\nname = "rocm:0"\nrole = "target"\n', "ROCm GPUs are cuda:N"),
     ('[[devices]]\nname = "cpu"\nrole = "targt"\n', "did you mean 'target'"),
-    ("slots = 9\n", r"slots = 9: .*expected a whole number from 1 to 8"),
+    ("slots = 17\n", r"slots = 17: .*expected a whole number from 1 to 16"),
 ])
 def test_rules_between_and_within_keys(etc, tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
@@ -254,6 +254,17 @@ def test_every_key_is_documented():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "CONFIG.md").read_text()
     missing = [key for key in schema_keys() if f"`{key}`" not in doc]
     assert not missing, f"docs/CONFIG.md does not describe {missing}"
+
+
+def test_the_slot_limit_is_the_engines_and_the_decode_row_kernels():
+    """A profile may ask for as many slots as the engine takes, and no more than the decode step's row kernel
+    serves: past its rows the dense products of every step would go to F.linear."""
+    from qwen4exp.config import Settings
+    from qwen4exp.engine.slots import MAX_SLOTS
+    from qwen4exp.kernels.row_products import MAX_ROWS
+
+    limits = [m.le for m in Settings.model_fields["slots"].metadata if hasattr(m, "le")]
+    assert limits == [MAX_SLOTS] == [MAX_ROWS]
 
 
 def test_settings_are_frozen(etc):

@@ -43,8 +43,8 @@ def _spec(rng: random.Random):
     }
 
 
-def _alone(model, spec) -> Request:
-    engine = _engine(model)
+def _alone(model, spec, slots: int = SLOTS) -> Request:
+    engine = _engine(model, slots=slots)
     request = engine.submit(Request(**spec))
     engine.run_until_idle()
     assert request.finish_reason is FinishReason.LENGTH
@@ -67,6 +67,21 @@ def test_alone_equals_together_bit_for_bit(model, seed, beside, batch, monkeypat
     requests = run_staggered(engine, specs, starts)
     for spec, request in zip(specs, requests):
         assert_same_logits(request, _alone(model, spec), f"request with a {len(spec['prompt_ids'])}-token prompt")
+
+
+def test_sixteen_slots_alone_equals_together(model, monkeypatch):
+    """The most slots a profile may ask for (engine/slots.py MAX_SLOTS), prompts batched and decode steps between
+    their layers, as a chat profile serves: more requests than slots, each one's logits rows are those it gets
+    alone in an engine of as many slots."""
+    record_logits(monkeypatch)
+    rng = random.Random(16)
+    specs = [_spec(rng) for _ in range(20)]
+    starts = sorted(rng.randint(0, 12) for _ in specs)
+    engine = _engine(model, slots=16, decode_beside_prompts=True, batch_prompts=True)
+    for spec, request in zip(specs, run_staggered(engine, specs, starts)):
+        assert_same_logits(request, _alone(model, spec, slots=16), f"{len(spec['prompt_ids'])}-token prompt")
+    with pytest.raises(ValueError, match="between 1 and 16"):
+        _engine(model, slots=17)
 
 
 def test_batched_prompts_share_one_forward_and_give_their_rows_alone(model, monkeypatch):

@@ -203,7 +203,7 @@ def test_the_estimate_touches_no_device_and_loads_no_weights(tmp_path, monkeypat
     (["--devices", "target=24GiB", "--ple", "host"], "--ple host keeps a GGUF's quantized PLE table"),
     (["--devices", "target=24GiB", "--max-ctx", "6"], "--max-ctx 6 must be"),
     (["--devices", "target=24GiB", "--chunk", "-4"], "--chunk must be more than 0"),
-    (["--devices", "target=24GiB", "--slots", "9"], "--slots must be"),
+    (["--devices", "target=24GiB", "--slots", "17"], "--slots must be"),
     (["--devices", "target=24GiB", "--model", "org/repo"], "--model 'org/repo'"),
     (["--devices", "target=24GiB", "--device-memory-limit", "0"], "--device-memory-limit must be more"),
 ])

@@ -179,8 +179,8 @@ class Settings(BaseSettings):
         (Device(name="cpu", role=("target",)),), "a list of [[devices]] tables", "The devices and their roles.")
     dtype: Annotated[Literal["float32", "bfloat16"], BeforeValidator(_dtype)] = _field(
         "float32", "'float32' or 'bfloat16'", "Weights and activations dtype (recurrent state stays float32).")
-    slots: int = _field(4, "a whole number from 1 to 8", "Requests served at once, each with the full context.",
-                        ge=1, le=8)
+    slots: int = _field(4, "a whole number from 1 to 16", "Requests served at once, each with the full context.",
+                        ge=1, le=16)
     max_ctx: Tokens = _field("auto", "'auto' or a multiple of 4 up to 262144",
                              "Context per slot; `auto`: the largest that fits, measured at start.")
     chunk: Tokens = _field("auto", "'auto' or a multiple of 4",

@@ -27,7 +27,7 @@ from .model.causal_lm import Qwen4ExpForCausalLM
 from .prefix_cache import PrefixCache
 from .request import MAX_TOP_LOGPROBS, FinishReason, PositionLogprobs, QueueFull, Request, RequestRejected
 from .sampling import Sampler
-from .slots import Slot, SlotPool
+from .slots import MAX_SLOTS, Slot, SlotPool
 from .stops import StopMatcher
 from .warm_up import warm_up
 
@@ -88,8 +88,8 @@ class Engine:
                  decode_beside_prompts: bool = False, batch_prompts: bool = False):
         cfg = model.config
         spacing = restore_spacing or (prefix_cache.spacing if prefix_cache is not None else chunk)
-        if not 1 <= slots <= 8:
-            raise ValueError(f"slots must be between 1 and 8, got {slots}")
+        if not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"slots must be between 1 and {MAX_SLOTS}, got {slots}")
         if spacing % cfg.indexer_compress_ratio or chunk % spacing:
             raise ValueError(f"chunk ({chunk}) must be a multiple of the restore spacing ({spacing}), itself a "
                              f"multiple of the QSA compress ratio ({cfg.indexer_compress_ratio})")

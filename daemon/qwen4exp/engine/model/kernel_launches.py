@@ -26,7 +26,7 @@ from .quantized import keep_quantized
 from .triton_ops import TritonOps
 
 CHUNKS = (1, 37, 512, 1024, 2048, 4096)   # a prompt's last chunk may have any length; whole chunks 512-4096
-DECODE_ROWS = range(1, 9)
+DECODE_ROWS = range(1, 17)   # slots.MAX_SLOTS
 CAPACITY = 65536                           # a multiple of the planner's granule, as fitted contexts are
 DTYPE = torch.bfloat16
 
