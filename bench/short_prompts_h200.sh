@@ -4,7 +4,8 @@
 #   1. bench/speed.py: decode, prefill and cold prompts of 128..262144 tokens split into their parts;
 #   2. the 8-layer bench checkpoint written to CHECKPOINT (kept if it is there), served by the h200 profile,
 #      once with decode_beside_prompts off and once on: the chat load (bench/load.py --mix chat) and cold prompts
-#      through the daemon (bench/daemon_prompts.py) each time.
+#      through the daemon (bench/daemon_prompts.py) each time, keeping its /props and its /metrics after the load
+#      (qwen4exp_prompt_chunks_total / qwen4exp_prompt_forwards_total: how many prompts a forward batched).
 #
 # Usage: bench/short_prompts_h200.sh OUT_DIR [CHECKPOINT]      (CHECKPOINT default /tmp/bench8)
 # Knobs: LOAD_SECONDS=30 (each load level), LEVELS=1,4,16,64, SKIP_SPEED=1, BESIDE="false true" (the daemon runs),
@@ -50,6 +51,7 @@ for beside in ${BESIDE:-false true}; do
     python3 bench/load.py --url "$url" --mix chat --seconds "${LOAD_SECONDS:-30}" --levels "${LEVELS:-1,4,16,64}" \
         --out "$out/load_chat_$tag.json" > "$out/load_$tag.log" 2>&1
     echo "$tag: load rc $?"
+    curl -s "$url/metrics" > "$out/metrics_$tag.txt"
     if [ -z "${SKIP_PROMPTS:-}" ]; then
         python3 bench/daemon_prompts.py --url "$url" --lengths "${PROMPTS:-16384,250000}" --repeats 3 \
             --out "$out/daemon_prompts_$tag.json" > "$out/daemon_prompts_$tag.log" 2>&1

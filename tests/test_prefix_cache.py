@@ -115,8 +115,11 @@ def test_a_slot_reused_before_its_snapshots_are_copied_keeps_them_exact(model, m
     _run(engine, Request(prompt_ids=first, max_tokens=6))        # its snapshots' copies wait behind `held`
     timer = threading.Timer(2.0, held.set)
     timer.start()
-    _run(engine, Request(prompt_ids=_prompt(128, seed=22), max_tokens=2, on_token=lambda *_: held.set()))
-    timer.cancel()
+    try:
+        _run(engine, Request(prompt_ids=_prompt(128, seed=22), max_tokens=2, on_token=lambda *_: held.set()))
+    finally:
+        timer.cancel()
+        held.set()          # never leave the copier's thread waiting (the interpreter joins it at exit)
     warm, = _run(engine, Request(prompt_ids=first, max_tokens=6))
     assert warm.cached_tokens == 96
     assert_same_logits(warm, cold_reference, "restored after the slot was reused")
@@ -135,6 +138,34 @@ def test_a_snapshot_the_store_refuses_is_never_copied(model, monkeypatch):
     cache.finish_captures()             # any copy queued has made its buffer by now
     assert cache.counters.captures > 0 and cache.counters.refused == cache.counters.captures
     assert allocations == [] and cached.output_ids == plain.output_ids
+
+
+def test_a_snapshot_whose_copy_fails_is_dropped_and_its_prompt_still_served(model, monkeypatch, caplog):
+    """The copier's allocations fail (host memory short, say) while a prompt's snapshots are taken: the request is
+    answered as without a cache, each failure is logged once, the store gives the failed snapshots' place back, and
+    the same prompt sent again is served cold and leaves snapshots that work."""
+    cache = _cache(model)
+    real = type(cache.backend).allocate
+    failing = [True]
+
+    def allocate(self, nbytes):
+        if failing[0]:
+            raise RuntimeError("no host memory (planted)")
+        return real(self, nbytes)
+    monkeypatch.setattr(type(cache.backend), "allocate", allocate)
+    engine = _engine(model, cache, slots=1)
+    prompt = _prompt(70, seed=41)
+    plain, = _run(_engine(model, slots=1), Request(prompt_ids=prompt, max_tokens=4))
+    first, = _run(engine, Request(prompt_ids=prompt, max_tokens=4))
+    failed = cache.counters.saved
+    failing[0] = False
+    _run(engine, Request(prompt_ids=_prompt(40, seed=42), max_tokens=2))   # the slot's next request finds them
+    assert caplog.text.count("could not be filled") == failed > 0
+    assert cache.stats()["store"]["entries"] == cache.counters.saved - failed
+    again, = _run(engine, Request(prompt_ids=prompt, max_tokens=4))
+    third, = _run(engine, Request(prompt_ids=prompt, max_tokens=4))
+    assert first.output_ids == again.output_ids == third.output_ids == plain.output_ids
+    assert (first.cached_tokens, again.cached_tokens, third.cached_tokens) == (0, 0, 64)
 
 
 def test_snapshot_restores_the_state_exactly(model):

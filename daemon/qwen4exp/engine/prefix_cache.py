@@ -137,9 +137,20 @@ class PrefixCache:
         with self._lock:
             self._snapshots[handle] = snapshot
             self._keys[handle] = key
-        self._reading = [(s, snap) for s, snap in self._reading if not snap.filled] + [(state, snapshot)]
+        self._prune_reading()
+        self._reading.append((state, snapshot))
         self.counters.saved += 1
         return handle
+
+    def _prune_reading(self) -> None:
+        """Drop the captures whose copies are done; one that failed leaves the store."""
+        reading = []
+        for source, snapshot in self._reading:
+            if not snapshot.filled:
+                reading.append((source, snapshot))
+            elif not snapshot.wait_until_filled():
+                self._forget(snapshot)
+        self._reading = reading
 
     def wait_for_captures(self, state: SequenceState) -> None:
         """Before `state` is emptied or overwritten below its length (a slot's next request): its snapshots' copies
