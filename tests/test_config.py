@@ -260,11 +260,14 @@ def test_the_slot_limit_is_the_engines_and_the_decode_row_kernels():
     """A profile may ask for as many slots as the engine takes, and no more than the decode step's row kernel
     serves: past its rows the dense products of every step would go to F.linear."""
     from qwen4exp.config import Settings
-    from qwen4exp.engine.slots import MAX_SLOTS
+    from qwen4exp.engine.engine_config import MAX_SLOTS, EngineConfig
     from qwen4exp.kernels.row_products import MAX_ROWS
 
     limits = [m.le for m in Settings.model_fields["slots"].metadata if hasattr(m, "le")]
     assert limits == [MAX_SLOTS] == [MAX_ROWS]
+    assert EngineConfig(slots=MAX_SLOTS).slots == MAX_SLOTS
+    with pytest.raises(ValueError, match=f"from 1 to {MAX_SLOTS}"):
+        EngineConfig(slots=MAX_SLOTS + 1)
 
 
 def test_settings_are_frozen(etc):

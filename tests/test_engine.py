@@ -70,15 +70,20 @@ def test_alone_equals_together_bit_for_bit(model, seed, beside, batch, monkeypat
 
 
 def test_sixteen_slots_alone_equals_together(model, monkeypatch):
-    """The most slots a profile may ask for (engine/slots.py MAX_SLOTS), prompts batched and decode steps between
-    their layers, as a chat profile serves: more requests than slots, each one's logits rows are those it gets
-    alone in an engine of as many slots."""
+    """The most slots a profile may ask for (engine_config.MAX_SLOTS), prompts batched and decode steps between
+    their layers, as a chat profile serves: more requests than slots, more than 8 of them busy at once, each one's
+    logits rows are those it gets alone in an engine of as many slots."""
     record_logits(monkeypatch)
     rng = random.Random(16)
     specs = [_spec(rng) for _ in range(20)]
     starts = sorted(rng.randint(0, 12) for _ in specs)
     engine = _engine(model, slots=16, decode_beside_prompts=True, batch_prompts=True)
-    for spec, request in zip(specs, run_staggered(engine, specs, starts)):
+    busy = []
+    real_step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (busy.append(len(engine.pool.busy())), real_step())[1])
+    requests = run_staggered(engine, specs, starts)
+    assert max(busy) > 8
+    for spec, request in zip(specs, requests):
         assert_same_logits(request, _alone(model, spec, slots=16), f"{len(spec['prompt_ids'])}-token prompt")
     with pytest.raises(ValueError, match="between 1 and 16"):
         _engine(model, slots=17)

@@ -136,11 +136,12 @@ def test_warm_equals_cold_from_pinned_host_snapshots(models, name, compiled):
     assert cache.counters.restored_tokens == 144 * 2 + 160 * 2
 
 
-def test_an_engine_made_while_snapshots_copy_captures_its_graph(models):
+def test_an_engine_made_while_snapshots_copy_captures_its_graph(models, monkeypatch):
     """Snapshots are filled by a background thread (pinned allocations, copies on their own stream). An engine made
     meanwhile (here one with no cache) captures its decode step as a CUDA graph; a driver call from the copier
     during that capture would invalidate it and leave the process unable to capture at all. The capture waits for
-    the copies queued so far (held back here until shortly after it begins), and the engine serves as usual."""
+    the copies queued so far (held back here for 3 s, past the moment it would begin), and the engine serves as
+    usual."""
     model = models["bfloat16"]
     cache = PrefixCache(CHUNK, 1 << 30, SnapshotBackend.for_device(torch.device("cuda")),
                         model.config.indexer_compress_ratio)
@@ -148,12 +149,22 @@ def test_an_engine_made_while_snapshots_copy_captures_its_graph(models):
     specs = [dict(prompt_ids=_prompt(n, seed=70 + n), max_tokens=8) for n in (150, 160)]
     held = threading.Event()
     cache._copier._thread.submit(held.wait)
-    first = _run(engine, specs, [0, 0])                 # its snapshots' copies wait behind `held`
-    threading.Timer(0.5, held.set).start()
-    other = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK)
-    assert other.decoder.graph is not None and held.is_set()
-    assert _run(other, specs, [0, 0]) == first
-    engine.stop()
+    try:
+        first = _run(engine, specs, [0, 0])                 # its snapshots' copies wait behind `held`
+        threading.Timer(3.0, held.set).start()          # later than the engine reaches its capture
+        released_at_capture = []
+        real_begin = torch.cuda.CUDAGraph.capture_begin
+
+        def capture_begin(graph, *args, **kwargs):
+            released_at_capture.append(held.is_set())
+            return real_begin(graph, *args, **kwargs)
+        monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", capture_begin)
+        other = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK)
+        assert other.decoder.graph is not None and released_at_capture == [True]
+        assert _run(other, specs, [0, 0]) == first
+    finally:
+        held.set()
+        engine.stop()
 
 
 def test_float32_engine_follows_reference_greedy_ids(models, tiny_checkpoint):

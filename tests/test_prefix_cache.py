@@ -157,6 +157,7 @@ def test_a_snapshot_whose_copy_fails_is_dropped_and_its_prompt_still_served(mode
     prompt = _prompt(70, seed=41)
     plain, = _run(_engine(model, slots=1), Request(prompt_ids=prompt, max_tokens=4))
     first, = _run(engine, Request(prompt_ids=prompt, max_tokens=4))
+    cache._copier.quiesce()             # every fill queued so far has run (and failed)
     failed = cache.counters.saved
     failing[0] = False
     _run(engine, Request(prompt_ids=_prompt(40, seed=42), max_tokens=2))   # the slot's next request finds them
@@ -166,6 +167,26 @@ def test_a_snapshot_whose_copy_fails_is_dropped_and_its_prompt_still_served(mode
     third, = _run(engine, Request(prompt_ids=prompt, max_tokens=4))
     assert first.output_ids == again.output_ids == third.output_ids == plain.output_ids
     assert (first.cached_tokens, again.cached_tokens, third.cached_tokens) == (0, 0, 64)
+
+
+def test_a_failed_copy_leaves_the_store_at_the_next_capture_from_any_state(model, monkeypatch):
+    """No request need come back to the failed snapshot's slot: the next capture, from another state, finds the
+    failure and gives its bytes back."""
+    cache = _cache(model)
+    real = type(cache.backend).allocate
+    failing = [True]
+
+    def allocate(self, nbytes):
+        if failing[0]:
+            raise RuntimeError("no host memory (planted)")
+        return real(self, nbytes)
+    monkeypatch.setattr(type(cache.backend), "allocate", allocate)
+    one, other = _filled(model, 32), _filled(model, 48)
+    cache.capture(_prompt(32, seed=32), one, torch.zeros(4))
+    cache._copier.quiesce()
+    failing[0] = False
+    cache.capture(_prompt(48, seed=48), other, torch.zeros(4))
+    assert _stored_lengths(cache) == [48] and cache.stats()["store"]["entries"] == 1
 
 
 def test_snapshot_restores_the_state_exactly(model):

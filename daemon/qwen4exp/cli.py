@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompts-file", help="JSONL, one request per line, run together through the engine "
                         "(see qwen4exp/prompts_file.py for the fields)")
     gen.add_argument("--slots", type=int, default=None,
-                     help="engine slots (1-8; default: 1 for --prompt, the profile's for --prompts-file). On a GPU, "
+                     help="engine slots (1-16; default: 1 for --prompt, the profile's for --prompts-file). On a GPU, "
                           "decode at another slot count may round differently: give the server's count to "
                           "reproduce its answers bit for bit")
     gen.add_argument("--context", type=int, default=None,

@@ -21,13 +21,13 @@ import numpy
 import torch
 
 from .decode_runner import DecodeRunner, LaunchedStep
-from .engine_config import EngineConfig
+from .engine_config import MAX_SLOTS, EngineConfig
 from .memory import is_out_of_memory, release_cached_blocks, run_with_oom_retry
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .prefix_cache import PrefixCache
 from .request import MAX_TOP_LOGPROBS, FinishReason, PositionLogprobs, QueueFull, Request, RequestRejected
 from .sampling import Sampler
-from .slots import MAX_SLOTS, Slot, SlotPool
+from .slots import Slot, SlotPool
 from .stops import StopMatcher
 from .warm_up import warm_up
 

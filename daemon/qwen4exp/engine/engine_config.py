@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# A decode step runs every slot as a row; up to row_products.MAX_ROWS rows its dense products stay on the row
+# kernel, which reads each weight once at memory bandwidth (more rows would go to F.linear). The profile schema
+# says the same number (config/schema.py; tests/test_config.py holds them together).
+MAX_SLOTS = 16
 
 
 def _size(tables) -> str:
@@ -53,7 +57,7 @@ class EngineConfig:
         if self.dtype not in (*DTYPE_NAMES, "auto"):
             raise ValueError(f"engine setting dtype must be one of {', '.join(DTYPE_NAMES)} or 'auto', "
                              f"got {self.dtype!r}")
-        _whole("slots", self.slots, 1, 8)
+        _whole("slots", self.slots, 1, MAX_SLOTS)
         if self.max_ctx != "auto":
             _whole("max_ctx", self.max_ctx, 1)
         _whole("chunk", self.chunk, 1)

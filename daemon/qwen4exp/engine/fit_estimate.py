@@ -297,7 +297,7 @@ def estimate_plan(facts: ModelFacts, target: DeviceSize, splits: tuple[DeviceSiz
     """The plan for `facts` on `target` (and what `splits` would add), decided as the engine decides it: the PLE
     table on the device unless ple = "host", or "auto" on a GPU moves it to host memory when that fits a longer
     context (EngineConfig.resolve_context)."""
-    from .slots import MAX_SLOTS
+    from .engine_config import MAX_SLOTS
 
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
         raise EstimateError(f"--slots must be a whole number from 1 to {MAX_SLOTS}, got {slots!r}")

@@ -12,11 +12,6 @@ from .request import Request
 from .sampling import Sampler
 from .state import SequenceState, StateBatch
 
-# A decode step runs every slot as a row; up to row_products.MAX_ROWS rows its dense products stay on the row
-# kernel, which reads each weight once at memory bandwidth (more rows would go to F.linear). The profile schema
-# says the same number (config/schema.py; tests/test_config.py holds them together).
-MAX_SLOTS = 16
-
 
 @dataclass
 class Slot:

@@ -4,7 +4,7 @@ The model is built on the meta device (no memory) under guard.compiling_for(targ
 and every choice a kernel makes from its device's limits (pipeline stages) reads the target's. Then it runs the
 shapes the engine runs: prompt chunks (whole chunks of 512-4096 tokens, a prompt's last chunk of any length;
 at the start of a prompt, where QSA is still dense, and past the indexer's dense reach) and decode steps of
-1-8 rows; ahead_of_time.build compiles what was recorded. tests/test_kernel_builds.py runs this for the
+1-16 rows; ahead_of_time.build compiles what was recorded. tests/test_kernel_builds.py runs this for the
 bench and full presets and each of guard.CHECKED_TARGETS; `qwen4exp kernels` prints it for one target.
 """
 
@@ -18,6 +18,7 @@ from ...checkpoint.gguf_loader import quantized_stacks
 from ...checkpoint.gguf_writer import PlannedFile
 from ...kernels import ahead_of_time, guard
 from ...kernels import delta_rule as delta_rule_kernels
+from ..engine_config import MAX_SLOTS
 from ..state import SequenceState, StateBatch
 from .causal_lm import Qwen4ExpForCausalLM
 from .config import ModelConfig
@@ -26,7 +27,7 @@ from .quantized import keep_quantized
 from .triton_ops import TritonOps
 
 CHUNKS = (1, 37, 512, 1024, 2048, 4096)   # a prompt's last chunk may have any length; whole chunks 512-4096
-DECODE_ROWS = range(1, 17)   # slots.MAX_SLOTS
+DECODE_ROWS = range(1, MAX_SLOTS + 1)
 CAPACITY = 65536                           # a multiple of the planner's granule, as fitted contexts are
 DTYPE = torch.bfloat16
 
