@@ -83,6 +83,29 @@ def test_extended_prompt_restores_the_shared_prefix_and_equals_cold(model):
     assert warm.output_ids == cold.output_ids
 
 
+@pytest.mark.parametrize("first_length, kept, continued_from", [(48, [32, 48], 32), (80, [32, 64, 80], 64),
+                                                                (112, [32, 64, 96, 112], 96)])
+def test_restore_spacing_below_the_chunk_keeps_warm_equal_to_cold(model, monkeypatch, first_length, kept,
+                                                                  continued_from):
+    """Restore points every 16 tokens, chunks of 32: a prompt ending off the chunk grid is snapshotted at its end
+    (for itself, resent whole) and at its last point on the grid; a longer prompt continues from the latter, since
+    its cold run cuts no chunk at the former. Every logits row, resent and continued, is the cold run's."""
+    record_logits(monkeypatch)
+    rng = random.Random(first_length)
+    first = [rng.randrange(1000) for _ in range(first_length)]
+    longer = first + [rng.randrange(1000) for _ in range(40)]
+    cache = _cache(model)
+    engine = Engine(model, slots=1, context=CONTEXT, chunk=2 * CHUNK, restore_spacing=CHUNK, prefix_cache=cache)
+    _run(engine, Request(prompt_ids=first, max_tokens=6))
+    assert sorted(_stored_lengths(cache)) == kept
+    resent, continued = (_run(engine, Request(prompt_ids=ids, max_tokens=6))[0] for ids in (first, longer))
+    cold = Engine(model, slots=1, context=CONTEXT, chunk=2 * CHUNK)
+    for warm, ids in ((resent, first), (continued, longer)):
+        reference, = _run(cold, Request(prompt_ids=ids, max_tokens=6))
+        assert_same_logits(warm, reference, f"{len(ids)} tokens after {warm.cached_tokens} restored")
+    assert (resent.cached_tokens, continued.cached_tokens) == (first_length, continued_from)
+
+
 def test_restore_into_another_slot_beside_other_requests(model, monkeypatch):
     record_logits(monkeypatch)
     prompt = _prompt(120, seed=4)

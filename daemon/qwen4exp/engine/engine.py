@@ -405,17 +405,18 @@ class Engine:
 
     def _keeps_snapshot_at(self, end: int, prompt_length: int) -> bool:
         """Whether a prompt prefilled up to `end` is snapshotted there: at 1, 2, 4, 8... chunks (shareable
-        prefixes at every scale, so a long prompt costs O(log n) snapshots) and at the prompt's last restore point
-        (the one a resent or continued prompt restores). Not at the restore points between: each capture copies
-        the whole prefix's K/V, and capturing them all cost 2.5 s of a 262144-token prompt's first token."""
+        prefixes at every scale, so a long prompt costs O(log n) snapshots), at its last point on the chunk grid
+        (the one a continued prompt restores) and at its end when that is a restore point off the grid (restore
+        spacing below the chunk: the one a prompt resent whole restores; a longer prompt cannot continue from it,
+        since its cold run cuts no chunk there: PrefixCache.restore_longest). Not at the points between: each
+        capture copies the whole prefix's K/V, and capturing them all cost 2.5 s of a 262144-token prompt's first
+        token."""
         if end % self.restore_spacing:
             return False
         chunks, rest = divmod(end, self.chunk)
-        if rest == 0 and chunks & (chunks - 1) == 0:
-            return True
-        later_point = prompt_length - end >= self.chunk or (prompt_length > end and
-                                                            prompt_length % self.restore_spacing == 0)
-        return not later_point
+        if rest:                            # off the grid: only a prompt's last chunk ends there
+            return end == prompt_length
+        return chunks & (chunks - 1) == 0 or prompt_length - end < self.chunk
 
     def _capture_after_first_token(self, request: Request, end: int, slot: Slot, logits: torch.Tensor) -> None:
         """The prompt's last snapshot. Its request has its first token (it may even be finished), so a failure

@@ -81,6 +81,14 @@ class PrefixCache:
         logits = None
         with self._lock:
             entry = self.store.match(array("I", prompt_ids), pin=True)
+            # A point off the chunk grid (restore spacing below the chunk) serves only the prompt it ends: a longer
+            # one's cold run cuts no chunk there, so its rest would be computed on another grid than cold. Look
+            # again below it, on the grid (a second lookup in the store's counts).
+            grid = self.chunk or self.spacing
+            while entry is not None and entry.length % grid and entry.length != len(prompt_ids):
+                self.store.unpin(entry.handle)
+                on_grid = entry.length // grid * grid
+                entry = self.store.match(array("I", prompt_ids[:on_grid]), pin=True) if on_grid else None
             if entry is None:
                 return 0, None
             snapshot = self._snapshots[entry.handle]
