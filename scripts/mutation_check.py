@@ -25,6 +25,7 @@ ENGINE, SAMPLING, FIT = "daemon/qwen4exp/engine/engine.py", "daemon/qwen4exp/eng
 ERRORS, RUNNER, SERVE = "daemon/qwen4exp/server/errors.py", "daemon/qwen4exp/server/runner.py", \
     "daemon/qwen4exp/server/serve.py"
 RADIX, STORE = "rust_core/core/src/prefix_store/radix.rs", "rust_core/core/src/prefix_store/mod.rs"
+CACHE = "daemon/qwen4exp/engine/prefix_cache.py"
 SERVER_TESTS = ["tests/test_server.py", "tests/test_reliability.py"]
 
 
@@ -50,6 +51,9 @@ MUTANTS = [
     Mutant("snapshot-copy-race", "a slot's next request starts before its last snapshots' copies are queued",
            ENGINE, "            self.prefix_cache.wait_for_captures(slot.state)\n", "            pass\n",
            ("tests/test_prefix_cache.py",)),
+    Mutant("off-grid-continue", "a longer prompt continues from a restore point off the chunk grid", CACHE,
+           "while entry is not None and entry.length % grid and entry.length != len(prompt_ids):",
+           "while False:", ("tests/test_prefix_cache.py",)),
     Mutant("fifo", "admission takes the newest queued request first", ENGINE,
            "request = self._queue.popleft()", "request = self._queue.pop()", ("tests/test_engine.py",)),
     Mutant("round-robin", "prefill stays on one slot instead of taking turns", ENGINE,
