@@ -116,7 +116,7 @@ def test_generate_chat_gives_the_served_chat_answer(tiny_server, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--chunk", "3"], "chunk"),
-    (["--slots", "9"], "slots"),
+    (["--slots", "17"], "slots"),
     (["--set", "prefix_cache.spacing=48"], "prefix_cache.spacing"),
 ])
 def test_generate_refuses_bad_settings_by_name(argv, message):

@@ -61,7 +61,7 @@ def test_the_daemon_sends_it_to_the_worker_without_importing_torch():
 
 
 @pytest.mark.parametrize("changes, key", [
-    ({"slots": 9}, "slots"),
+    ({"slots": 17}, "slots"),
     ({"slots": True}, "slots"),
     ({"chunk": 0}, "chunk"),
     ({"max_ctx": "big"}, "max_ctx"),
