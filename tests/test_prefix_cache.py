@@ -163,11 +163,8 @@ def test_a_snapshot_the_store_refuses_is_never_copied(model, monkeypatch):
     assert allocations == [] and cached.output_ids == plain.output_ids
 
 
-def test_a_snapshot_whose_copy_fails_is_dropped_and_its_prompt_still_served(model, monkeypatch, caplog):
-    """The copier's allocations fail (host memory short, say) while a prompt's snapshots are taken: the request is
-    answered as without a cache, each failure is logged once, the store gives the failed snapshots' place back, and
-    the same prompt sent again is served cold and leaves snapshots that work."""
-    cache = _cache(model)
+def _failing_allocations(cache, monkeypatch) -> list[bool]:
+    """The cache's snapshot buffers fail to allocate while the returned flag's one item is true."""
     real = type(cache.backend).allocate
     failing = [True]
 
@@ -176,6 +173,15 @@ def test_a_snapshot_whose_copy_fails_is_dropped_and_its_prompt_still_served(mode
             raise RuntimeError("no host memory (planted)")
         return real(self, nbytes)
     monkeypatch.setattr(type(cache.backend), "allocate", allocate)
+    return failing
+
+
+def test_a_snapshot_whose_copy_fails_is_dropped_and_its_prompt_still_served(model, monkeypatch, caplog):
+    """The copier's allocations fail (host memory short, say) while a prompt's snapshots are taken: the request is
+    answered as without a cache, each failure is logged once, the store gives the failed snapshots' place back, and
+    the same prompt sent again is served cold and leaves snapshots that work."""
+    cache = _cache(model)
+    failing = _failing_allocations(cache, monkeypatch)
     engine = _engine(model, cache, slots=1)
     prompt = _prompt(70, seed=41)
     plain, = _run(_engine(model, slots=1), Request(prompt_ids=prompt, max_tokens=4))
@@ -196,14 +202,7 @@ def test_a_failed_copy_leaves_the_store_at_the_next_capture_from_any_state(model
     """No request need come back to the failed snapshot's slot: the next capture, from another state, finds the
     failure and gives its bytes back."""
     cache = _cache(model)
-    real = type(cache.backend).allocate
-    failing = [True]
-
-    def allocate(self, nbytes):
-        if failing[0]:
-            raise RuntimeError("no host memory (planted)")
-        return real(self, nbytes)
-    monkeypatch.setattr(type(cache.backend), "allocate", allocate)
+    failing = _failing_allocations(cache, monkeypatch)
     one, other = _filled(model, 32), _filled(model, 48)
     cache.capture(_prompt(32, seed=32), one, torch.zeros(4))
     cache._copier.quiesce()
