@@ -95,8 +95,7 @@ class PrefixCache:
         if not snapshot.wait_until_filled():
             with self._lock:
                 self.store.unpin(entry.handle)
-                self.store.remove(entry.handle)
-                self._drop(entry.handle)
+            self._forget(snapshot)
             return self.restore_longest(prompt_ids, state)
         try:
             snapshot.restore(state, self.ratio)
