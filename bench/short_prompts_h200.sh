@@ -7,10 +7,12 @@
 #      through the daemon (bench/daemon_prompts.py) each time, keeping its /props and its /metrics after the load
 #      (qwen4exp_prompt_chunks_total / qwen4exp_prompt_forwards_total: how many prompts a forward batched).
 #
-# Usage: bench/short_prompts_h200.sh OUT_DIR [CHECKPOINT]      (CHECKPOINT default /tmp/bench8)
+# Usage: bench/short_prompts_h200.sh OUT_DIR [CHECKPOINT]      (CHECKPOINT default /tmp/bench8; a directory or a
+#        .gguf file: the 8-layer checkpoint is written there only when nothing is)
 # Knobs: LOAD_SECONDS=30 (each load level), LEVELS=1,4,16,64, SKIP_SPEED=1, BESIDE="false true" (the daemon runs),
 # BATCH=false (the daemon's batch_prompts in every run; true adds _batch to the file names), PORT=8077,
-# SKIP_PROMPTS=1 (no cold prompts through the daemon), PROMPTS=16384,250000 (their lengths). Other QWEN4EXP_*
+# SKIP_PROMPTS=1 (no cold prompts through the daemon), PROMPTS=16384,250000 (their lengths), REPEATS=3 (of each),
+# READY_SECONDS=300 (the daemon's start, model load and fit included), PROFILE=h200. Other QWEN4EXP_*
 # variables (QWEN4EXP_SLOTS, QWEN4EXP_CHUNK) reach the daemon as they are. With the
 # defaults it takes about 12 minutes on the H200 (the speed bench ~3, writing the checkpoint ~1, each daemon run
 # ~4); split it over calls with SKIP_SPEED=1 and BESIDE=false / BESIDE=true.
@@ -29,7 +31,7 @@ if [ -z "${SKIP_SPEED:-}" ]; then
     echo "speed: rc $?"
 fi
 
-if [ ! -d "$checkpoint" ]; then
+if [ ! -e "$checkpoint" ]; then
     qwen4exp init-checkpoint --preset bench --layers 8 --out "$checkpoint" --device cuda > "$out/init.log" 2>&1 \
         || { echo "init-checkpoint failed: $out/init.log"; exit 1; }
 fi
@@ -43,7 +45,7 @@ for beside in ${BESIDE:-false true}; do
     started=$(date +%s)
     until [ "$(curl -s -o /dev/null -w '%{http_code}' "$url/health")" = 200 ]; do
         kill -0 $server 2>/dev/null || { echo "the daemon exited: $out/serve_$tag.log"; exit 1; }
-        [ $(( $(date +%s) - started )) -gt 300 ] && { echo "not ready after 300 s"; kill $server; exit 1; }
+        [ $(( $(date +%s) - started )) -gt "${READY_SECONDS:-300}" ] && { echo "not ready in time"; kill $server; exit 1; }
         sleep 1
     done
     echo "$tag: ready after $(( $(date +%s) - started )) s"
@@ -53,7 +55,7 @@ for beside in ${BESIDE:-false true}; do
     echo "$tag: load rc $?"
     curl -s "$url/metrics" > "$out/metrics_$tag.txt"
     if [ -z "${SKIP_PROMPTS:-}" ]; then
-        python3 bench/daemon_prompts.py --url "$url" --lengths "${PROMPTS:-16384,250000}" --repeats 3 \
+        python3 bench/daemon_prompts.py --url "$url" --lengths "${PROMPTS:-16384,250000}" --repeats "${REPEATS:-3}" \
             --out "$out/daemon_prompts_$tag.json" > "$out/daemon_prompts_$tag.log" 2>&1
         echo "$tag: prompts rc $?"
     fi

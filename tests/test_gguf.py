@@ -336,3 +336,55 @@ def test_blocks_reordered_into_our_layout_hold_the_values_reordered():
                 continue
             assert torch.equal(dequantize(ours, qtype), piece.from_gguf(dequantize(raw, qtype))), (piece.gguf, qtype)
             assert torch.equal(piece.reorder_blocks(ours, LAYOUTS[qtype], to_gguf=True), raw)
+
+
+def test_a_gguf_with_holes_loads_with_zero_experts_and_every_other_weight_as_written(tmp_path):
+    """`init-checkpoint --format gguf --holes` (the full model's benchmarks on a disk smaller than its 104 GiB)
+    leaves the routed experts and the PLE table unwritten: the file has the full size and the same bytes
+    elsewhere, takes less disk, and loads, those weights zero and every other one as in the whole file."""
+    import os
+
+    from qwen4exp.checkpoint.gguf_writer import is_hole
+    from qwen4exp.checkpoint.random_weights import random_model
+    from qwen4exp.cli import main
+
+    model = random_model("tiny", dtype="float32", device="cpu", seed=5, quant="ud-q4_k_xl")
+    whole = tmp_path / "whole.gguf"
+    sparse = tmp_path / "sparse.gguf"
+    assert main(["init-checkpoint", "--preset", "tiny", "--format", "gguf", "--quant", "ud-q4_k_xl", "--seed", "5",
+                 "--dtype", "float32", "--holes", "--out", str(sparse)]) == 0
+    write_tiny(whole, "ud-q4_k_xl", model=model)
+    assert sparse.stat().st_size == whole.stat().st_size
+    from gguf import GGUFReader
+
+    theirs = {t.name: t for t in GGUFReader(str(whole)).tensors}
+    holes = 0
+    for tensor in GGUFReader(str(sparse)).tensors:
+        data = np.asarray(tensor.data)
+        if is_hole(tensor.name):
+            holes += data.nbytes
+            assert not data.any(), tensor.name
+        else:
+            assert np.array_equal(data, np.asarray(theirs[tensor.name].data)), tensor.name
+    assert holes > whole.stat().st_size // 4
+    assert os.stat(sparse).st_blocks * 512 < whole.stat().st_size - holes // 2     # the disk it takes
+
+    loaded = load_model(str(sparse), dtype="float32", device="cpu", progress=False)
+    reference = load_model(str(whole), dtype="float32", device="cpu", progress=False).state_dict()
+    zeroed = 0
+    for name, value in loaded.state_dict().items():
+        if ".experts." in name or "ngram_embedding" in name:
+            assert not value.any(), name
+            zeroed += 1
+        else:
+            assert torch.equal(value, reference[name]), name
+    assert zeroed >= loaded.config.num_hidden_layers
+    ids = torch.tensor([1, 2, 3, 4])
+    assert torch.isfinite(all_logits(loaded, ids)).all()
+
+
+def test_holes_are_refused_outside_a_gguf(tmp_path):
+    from qwen4exp.cli import main
+
+    with pytest.raises(SystemExit, match="--holes .* --format gguf"):
+        main(["init-checkpoint", "--preset", "tiny", "--holes", "--out", str(tmp_path / "ckpt")])

@@ -229,6 +229,8 @@ def cmd_init_checkpoint(args: argparse.Namespace) -> int:
 
     if args.format == "gguf":
         return _init_gguf(args)
+    if args.holes:
+        raise SystemExit("error: --holes leaves a GGUF's expert data unwritten; add --format gguf")
     from .checkpoint.writer import write_random_checkpoint
     out = write_random_checkpoint(Path(args.out), preset=args.preset, layers=args.layers, seed=args.seed,
                                   dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype],
@@ -254,7 +256,8 @@ def _init_gguf(args: argparse.Namespace) -> int:
                          progress=True, quant=args.quant)
     text = preset_config(args.preset, args.layers, dtype=args.dtype)["text_config"]
     tokenizer = json.loads(build_tokenizer(text).to_str())
-    print(write_gguf(args.out, model, text, tokenizer, chat_template(), mix=args.quant, seed=args.seed))
+    print(write_gguf(args.out, model, text, tokenizer, chat_template(), mix=args.quant, seed=args.seed,
+                     holes=args.holes))
     return 0
 
 
@@ -347,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the published layout (a directory) or llama.cpp's GGUF (one file, --out *.gguf)")
     init.add_argument("--quant", default="bf16", help="GGUF only: f32, bf16, q8_0 or ud-q4_k_xl (unsloth's mix), "
                       "or one type for every matrix (Q4_K, IQ4_NL, ...); K-quant and IQ4 weights are random blocks")
+    init.add_argument("--holes", action="store_true", help="GGUF only: leave the routed experts and the PLE table "
+                      "unwritten, a sparse file whose holes read as zero weights (the full model at ud-q4_k_xl "
+                      "on ~6 GiB of disk instead of 104): for speed and memory benchmarks, not for answers")
     init.set_defaults(func=cmd_init_checkpoint)
     return parser
 

@@ -92,6 +92,11 @@ def encode(values: torch.Tensor, qtype: str, seed: int) -> np.ndarray:
     """The bytes (or float array) of `values` (float32, torch order) as `qtype`."""
     from gguf import GGMLQuantizationType, quants
 
+    if qtype == "BF16":
+        # torch rounds to nearest even as gguf.quants does, on the values' device (the numpy form is minutes
+        # for the bench preset's experts)
+        bits = values.detach().to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
+        return bits.view(np.uint8)
     array = values.detach().to(torch.float32).cpu().numpy()
     if qtype == "F32":
         return array
@@ -126,15 +131,44 @@ def tokenizer_metadata(tokenizer_json: dict, vocab_size: int, chat_template: str
     return rows
 
 
+# What `holes` leaves unwritten: the routed experts and the PLE n-gram table, 98 of the full model's 104 GiB at
+# UD-Q4_K_XL. A hole reads as zero bytes, which every block type decodes to zero.
+_HOLE_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "per_layer_token_embd.weight")
+
+
+def is_hole(name: str) -> bool:
+    return name.endswith(_HOLE_SUFFIXES)
+
+
+def _array_layout(shape: tuple[int, ...], qtype: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype of the array `encode` returns for a tensor of `shape` at `qtype` (known before it
+    is made, so the tensor infos can be written first and each tensor's data made only when it is written)."""
+    from gguf import GGMLQuantizationType, quant_shape_to_byte_shape
+
+    if qtype == "F32":
+        return shape, np.dtype(np.float32)
+    if qtype == "F16":
+        return shape, np.dtype(np.float16)
+    return tuple(quant_shape_to_byte_shape(shape, GGMLQuantizationType[qtype])), np.dtype(np.uint8)
+
+
 @torch.no_grad()
 def write_gguf(path: str | Path, model: torch.nn.Module, text_config: dict, tokenizer_json: dict,
-               chat_template: str | None, mix: str = "bf16", seed: int = 0, split_max_tensors: int = 0) -> Path:
+               chat_template: str | None, mix: str = "bf16", seed: int = 0, split_max_tensors: int = 0,
+               holes: bool = False) -> Path:
     """`model` (built from `text_config`, the config dict it came from) as a GGUF at `mix` (one of MIXES); with
-    `split_max_tensors`, a split set of that many tensors a shard (llama.cpp's names: returns the first shard)."""
+    `split_max_tensors`, a split set of that many tensors a shard (llama.cpp's names: returns the first shard).
+
+    Each tensor's data is made when it is written, so host memory holds one tensor at a time. With `holes`, the
+    routed experts' and the PLE table's data are left unwritten: a sparse file whose holes read as zero blocks,
+    so the full model at UD-Q4_K_XL takes ~6 GiB of disk instead of 104 (a benchmark of its speed and memory on
+    a machine whose disk is smaller than the model; those weights are then zero, not random)."""
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 
     if mix not in MIXES + ONE_TYPE:
         raise ValueError(f"unknown GGUF mix {mix!r}; choose one of {', '.join(MIXES + ONE_TYPE)}")
+    if holes and split_max_tensors:
+        raise ValueError("a sparse GGUF (holes) is written as one file, not a split set")
     cfg = model.config
     path = Path(path)
     writer = GGUFWriter(str(path), ARCH, split_max_tensors=split_max_tensors)
@@ -148,26 +182,52 @@ def write_gguf(path: str | Path, model: torch.nn.Module, text_config: dict, toke
         element = kind.split(":")[1] if kind.startswith("ARRAY:") else None
         writer.add_key_value(key, value, GGUFValueType["ARRAY" if element else kind],
                              sub_type=GGUFValueType[element] if element else None)
-    targets = model.state_dict()
-    stacks = {name: module for name, module in model.named_modules() if isinstance(module, QuantizedStack)}
-    for index, piece in enumerate(gguf_layout.pieces(cfg)):
-        stack = stacks.get(kept_name(piece.target))
-        if stack is not None:
-            part = StackPart(stack, piece)
-            if tensor_type(piece, part.shape, mix) == stack.qtype:    # the blocks as they are
-                data = part.file_blocks(piece).cpu().numpy()
-                writer.add_tensor(piece.gguf, data, raw_dtype=GGMLQuantizationType[stack.qtype])
-                continue
-            target = stack.dequantize().float()                      # its values, in another type
-        else:
-            target = targets[piece.target].float()
-        values = piece.to_gguf(piece.part_of(target).contiguous())
-        qtype = tensor_type(piece, tuple(values.shape), mix)
-        data = encode(values, qtype, seed * 100003 + index)
-        writer.add_tensor(piece.gguf, data, raw_dtype=None if qtype in ("F32", "F16") else GGMLQuantizationType[qtype])
+    makers = {}
+    for name, shape, dtype, qtype, make in _planned_tensors(model, mix, seed):
+        raw = None if qtype in ("F32", "F16") else GGMLQuantizationType[qtype]
+        writer.add_tensor_info(name, shape, dtype, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, raw)
+        makers[name] = None if holes and is_hole(name) else make
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    writer.write_ti_data_to_file()
+    for out, tensors in zip(writer.fout, writer.tensors):
+        writer.write_padding(out, out.tell())
+        for name, info in tensors.items():
+            make = makers[name]
+            if make is None:
+                out.seek(info.nbytes, 1)
+            else:
+                data = make()
+                if data.nbytes != info.nbytes:
+                    raise AssertionError(f"{name}: {data.nbytes} bytes made, {info.nbytes} planned")
+                data.tofile(out)
+            writer.write_padding(out, info.nbytes)
+        out.truncate(out.tell())          # a hole at the end still counts in the file's size
     shards = len(writer.tensors)
+    writer.close()
     return path if shards <= 1 else path.with_name(f"{path.stem}-00001-of-{shards:05d}.gguf")
+
+
+def _planned_tensors(model: torch.nn.Module, mix: str, seed: int):
+    """(GGUF name, array shape, array dtype, GGML type, a function that makes the array) for each tensor of the
+    file, in its order: a quantized stack whose type the mix keeps is written as the blocks it holds, any other
+    tensor is encoded from its values."""
+    targets = model.state_dict()
+    stacks = {name: module for name, module in model.named_modules() if isinstance(module, QuantizedStack)}
+    for index, piece in enumerate(gguf_layout.pieces(model.config)):
+        stack = stacks.get(kept_name(piece.target))
+        part = StackPart(stack, piece) if stack is not None else None
+        if part is not None and tensor_type(piece, part.shape, mix) == stack.qtype:      # the blocks as they are
+            yield (piece.gguf, tuple(part.blocks().shape), np.dtype(np.uint8), stack.qtype,
+                   lambda part=part, piece=piece: part.file_blocks(piece).cpu().numpy())
+            continue
+        full = stack.shape if stack is not None else targets[piece.target].shape
+        shape = tuple(piece.to_gguf(piece.part_of(torch.empty(full, device="meta"))).shape)
+        qtype = tensor_type(piece, shape, mix)
+
+        def make(stack=stack, piece=piece, qtype=qtype, index=index):
+            # a stack the mix writes in another type than its own is written from its dequantized values
+            target = stack.dequantize().float() if stack is not None else targets[piece.target].float()
+            return encode(piece.to_gguf(piece.part_of(target).contiguous()), qtype, seed * 100003 + index)
+
+        yield (piece.gguf, *_array_layout(shape, qtype), qtype, make)
