@@ -388,3 +388,22 @@ def test_holes_are_refused_outside_a_gguf(tmp_path):
 
     with pytest.raises(SystemExit, match="--holes .* --format gguf"):
         main(["init-checkpoint", "--preset", "tiny", "--holes", "--out", str(tmp_path / "ckpt")])
+
+
+@pytest.mark.parametrize("mix", ["F16", "BF16", "bf16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_float_tensors_are_read_as_stored_and_give_the_float32_reads_values(tmp_path, mix, dtype):
+    """A 16-bit tensor goes to the device as stored and is rearranged there (no float32 copy on the host): every
+    weight equals what reading it through float32 gives."""
+    from qwen4exp.checkpoint import gguf_layout
+
+    path = write_tiny(tmp_path / "w.gguf", mix)
+    checkpoint = GGUFCheckpoint(path)
+    model = load_model(str(path), dtype=dtype, device="cpu", progress=False)
+    targets = model.state_dict()
+    stored = 0
+    for piece in gguf_layout.pieces(model.config):
+        via_float32 = piece.from_gguf(torch.from_numpy(checkpoint.array(piece.gguf))).to(targets[piece.target].dtype)
+        assert torch.equal(piece.part_of(targets[piece.target]), via_float32), piece.gguf
+        stored += checkpoint.type_name(piece.gguf) in ("F16", "BF16")
+    assert stored > 10

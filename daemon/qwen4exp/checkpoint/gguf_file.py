@@ -107,6 +107,18 @@ class GGUFCheckpoint:
         values = quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
         return np.array(values, dtype=np.float32).reshape(self.shape(name))
 
+    def stored_floats(self, name: str):
+        """A tensor of a float type (F32, F16, BF16) as the torch tensor of its stored values, in torch's axis order
+        (a new one, in host memory); None for a block type. A 16-bit tensor stays 16-bit, where `array` would
+        make a float32 copy of it on the host."""
+        import torch
+
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(self.type_name(name))
+        if dtype is None:
+            return None
+        stored = np.array(self.tensors[name].data).view(np.uint8)
+        return torch.from_numpy(stored).view(dtype).reshape(self.shape(name))
+
     def raw(self, name: str) -> np.ndarray:
         """A quantized tensor's blocks as stored: uint8 [..., row bytes] in torch's axis order."""
         return np.array(self.tensors[name].data, dtype=np.uint8)

@@ -95,6 +95,10 @@ def load_gguf_weights(checkpoint: GGUFCheckpoint, module: torch.nn.Module, confi
     for piece, part in zip(pieces, parts):
         if isinstance(part, StackPart):
             part.copy_blocks(torch.from_numpy(checkpoint.raw(piece.gguf)), piece)
+        elif not piece.float32 and (stored := checkpoint.stored_floats(piece.gguf)) is not None:
+            # Float values go to the device as stored and are rearranged there: a piece not kept in float32 has
+            # a from_gguf that only moves values, so this gives what the float32 path below gives, bit for bit.
+            part.copy_(piece.from_gguf(stored.to(part.device)).to(part.dtype))
         else:
             part.copy_(piece.from_gguf(torch.from_numpy(checkpoint.array(piece.gguf))).to(part.dtype))
         report.tensors += 1
