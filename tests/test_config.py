@@ -94,7 +94,7 @@ def test_profile_from_environment_and_the_embedded_default(etc):
 
 # --- shipped profiles and where profiles are found ---
 
-@pytest.mark.parametrize("name, slots", [("tiny", 4), ("h200", 4), ("h200-chat", 8), ("qwen-next-r9700-strix", 4)])
+@pytest.mark.parametrize("name, slots", [("tiny", 4), ("h200", 4), ("h200-chat", 16), ("qwen-next-r9700-strix", 4)])
 def test_shipped_profiles_load(name, slots, etc):
     settings = load_settings(name, env=env_for(etc))
     assert settings.description and settings.slots == slots
@@ -111,7 +111,7 @@ def test_shipped_profile_contents(etc):
     assert h200.prefix_cache.resident_limit == "auto" and (h200.restore_spacing, h200.chunk_tokens) == (2048, 4096)
     assert not h200.batch_prompts and h200.decode_beside_prompts
     chat = load_settings("h200-chat", env=env_for(etc))
-    assert (chat.slots, chat.batch_prompts, chat.chunk_tokens, chat.max_ctx) == (8, True, 4096, "auto")
+    assert (chat.slots, chat.batch_prompts, chat.chunk_tokens, chat.max_ctx) == (16, True, 4096, "auto")
     assert [d.name for d in strix.split_devices] == ["cuda:1"] and strix.target.name == "cuda:0"
     assert [n for n, _, _ in list_profiles(env_for(etc))] == ["h200", "h200-chat", "qwen-next-r9700-strix", "tiny"]
 
