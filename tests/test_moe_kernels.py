@@ -231,8 +231,9 @@ def check_block_stacks_give_their_dense_twins_results():
         inter = 256 if down_type in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else QI
         gate_up, down = _stack(gate_up_type, (E, 2 * inter, QH), 1), _stack(down_type, (E, QH, inter), 2)
         twin_gate_up, twin_down = gate_up.dequantize(), down.dequantize()
-        # 70 tokens: 17.5 pairs an expert, past moe_blocks.DENSE_FROM (the stacks dequantized whole): the first pair
-        for rows in (5, 70) if gate_up_type == BLOCK_PAIRS[0][0] else (5,):
+        # 70 tokens: 17.5 pairs an expert, the tiles dequantized in the GEMMs over several row blocks; 260 tokens: 65,
+        # past moe_blocks.DENSE_FROM (the stacks dequantized whole): the first pair of types only
+        for rows in (5, 70, 260) if gate_up_type == BLOCK_PAIRS[0][0] else (5,):
             x = torch.randn(rows, QH, generator=gen).bfloat16()
             ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(rows)])
             weights = torch.rand(rows, K, generator=gen).softmax(-1).bfloat16()

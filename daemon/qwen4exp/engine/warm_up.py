@@ -4,8 +4,8 @@ Triton builds a binary for each kind of a kernel's int arguments (1, a multiple 
 its constexprs. The counts that follow a prompt's length (a chunk's rows, its expert pairs, the ids it looks up)
 are not specialized on (the kernels' do_not_specialize), so what tells a prompt chunk's binaries apart is its
 kind: one token, a few (the block products' few-row kernel past 16 rows goes to the dequantized GEMM; the
-experts' dense GEMMs take over from about 52), a whole chunk, from the prompt's start or past QSA's dense reach
-(where the indexer ranks blocks). Chunks start on the chunk grid (restores too: spacings divide the chunk), so
+experts' stacks are dequantized whole from 64 pairs an expert, moe_blocks.DENSE_FROM), a whole chunk, from the
+prompt's start or past QSA's dense reach (where the indexer ranks blocks). Chunks start on the chunk grid (restores too: spacings divide the chunk), so
 their positions are multiples of 16 alike.
 
 `warm_up` runs one chunk of each kind on a free slot's state and empties it again. A prompt of any length then
@@ -22,7 +22,7 @@ from .memory import release_cached_blocks
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .state import SequenceState
 
-PROMPT_ROWS = (1, 37)   # one token; a few (more than the block products' 16 rows, fewer than the dense GEMMs' 52)
+PROMPT_ROWS = (1, 37)   # one token; a few (more than the block products' 16 rows, the experts' tiles dequantized)
 
 
 def warm_up_chunks(cfg, chunk: int, capacity: int) -> list[tuple[int, int]]:

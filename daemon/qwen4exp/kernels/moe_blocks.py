@@ -28,9 +28,12 @@ from .quant_tiles import dequantize_groups, dequantize_stack, grid_for
 # Decode: as moe.py's ROWS_* (the same weight rows per program, 512 and 128 values a step along the row).
 ROWS_GATE_UP = dict(BLOCK_N=8, GROUPS=16, num_warps=4)
 ROWS_DOWN = dict(BLOCK_N=16, GROUPS=4, num_warps=4)
-# Prefill: from this many pairs per expert on average (a 52-token chunk of the full model: 512 experts, top-10),
-# a quantized stack is dequantized whole for the chunk (dense_for_chunk).
-DENSE_FROM = 1
+# Prefill: from this many pairs per expert on average (a 3277-token chunk of the full model: 512 experts, top-10),
+# a quantized stack is dequantized whole for the chunk (dense_for_chunk). Below it the GEMMs dequantize their
+# tiles: one row block (GROUPED_BLOCK_M = 64 pairs) an expert dequantizes each tile once, which costs less than
+# writing the dense twin and reading it again (docs/PERFORMANCE.md: the full model's Q4_K gate/up at 128, 512 and
+# 2048 tokens, 1.9-2.1 ms a layer against 2.9-3.0 ms dequantized whole).
+DENSE_FROM = 64
 
 
 if triton is not None:
