@@ -5,8 +5,8 @@ its constexprs. The counts that follow a prompt's length (a chunk's rows, its ex
 are not specialized on (the kernels' do_not_specialize), so what tells a prompt chunk's binaries apart is its
 kind: one token, a few (the block products' few-row kernel past 16 rows goes to the dequantized GEMM; the
 experts' stacks are dequantized whole from 64 pairs an expert, moe_blocks.DENSE_FROM), a whole chunk, from the
-prompt's start or past QSA's dense reach (where the indexer ranks blocks). Chunks start on the chunk grid (restores too: spacings divide the chunk), so
-their positions are multiples of 16 alike.
+prompt's start or past QSA's dense reach (where the indexer ranks blocks). Chunks start on the chunk grid
+(restores too: spacings divide the chunk), so their positions are multiples of 16 alike.
 
 `warm_up` runs one chunk of each kind on a free slot's state and empties it again. A prompt of any length then
 runs binaries that exist (tests/test_kernel_builds.py holds the launches of many lengths to these), instead of
