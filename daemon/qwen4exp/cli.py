@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "or one type for every matrix (Q4_K, IQ4_NL, ...); K-quant and IQ4 weights are random blocks")
     init.add_argument("--holes", action="store_true", help="GGUF only: leave the routed experts and the PLE table "
                       "unwritten, a sparse file whose holes read as zero weights (the full model at ud-q4_k_xl "
-                      "on ~6 GiB of disk instead of 104): for speed and memory benchmarks, not for answers")
+                      "on ~5 GiB of disk instead of 104): for speed and memory benchmarks, not for answers")
     init.set_defaults(func=cmd_init_checkpoint)
     return parser
 

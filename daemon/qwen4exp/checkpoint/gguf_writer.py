@@ -161,7 +161,7 @@ def write_gguf(path: str | Path, model: torch.nn.Module, text_config: dict, toke
 
     Each tensor's data is made when it is written, so host memory holds one tensor at a time. With `holes`, the
     routed experts' and the PLE table's data are left unwritten: a sparse file whose holes read as zero blocks,
-    so the full model at UD-Q4_K_XL takes ~6 GiB of disk instead of 104 (a benchmark of its speed and memory on
+    so the full model at UD-Q4_K_XL takes ~5 GiB of disk instead of 104 (a benchmark of its speed and memory on
     a machine whose disk is smaller than the model; those weights are then zero, not random)."""
     from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType
 
