@@ -35,6 +35,18 @@ def test_generate_json_prints_ids_text_and_timings(tiny_checkpoint, capsys):
     assert out["timings"]["prefill_ms"] > 0 and out["timings"]["decode_tokens_per_s"] > 0
 
 
+def test_generate_with_mtp_gives_the_same_answer_and_reports_its_drafts(capsys):
+    """The embedded model's own MTP head drafting 2 tokens a step: the same ids as without, and how many of its
+    drafts were taken."""
+    args = ("generate", "--prompt", "In the beginning God created", "--max-tokens", "24", "--ignore-eos", "--json")
+    plain = json.loads(_run(capsys, *args))
+    drafting = json.loads(_run(capsys, *args, "--mtp", "2"))
+    assert drafting["token_ids"] == plain["token_ids"] and plain["mtp"] == {"drafted": 0, "accepted": 0}
+    assert 0 < drafting["mtp"]["accepted"] <= drafting["mtp"]["drafted"]
+    with pytest.raises(SystemExit, match="mtp = '9'.*from 0 to 7"):
+        main([*args, "--mtp", "9"])
+
+
 def test_prompts_file_runs_together_and_prints_in_order(tiny_checkpoint, tmp_path, capsys):
     lines = [{"prompt": "The mill by the river", "max_tokens": 6},
              {"prompt_ids": list(range(5, 205)), "max_tokens": 9, "temperature": 0.8, "seed": 3},

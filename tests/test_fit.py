@@ -111,6 +111,18 @@ def test_smaller_cap_gives_smaller_context(fit256, fit512):
     assert fit256.measured.slot_bytes_per_position == fit512.measured.slot_bytes_per_position > 0
 
 
+def test_drafting_counts_each_slots_kept_states_and_leaves_less_context(model, fit256):
+    """Speculative decoding keeps a slot's carried state after each draft position (StateBatch.allocate_history):
+    the fit counts it per slot, so drafts leave at most the context without them."""
+    from qwen4exp.engine.fit import carried_bytes
+    kept = model.new_state_batch(4, 64)
+    kept.allocate_history(3)
+    drafting = _fit(model, 256 * MiB, verify=False, draft_positions=3)
+    assert drafting.measured.slot_fixed == fit256.measured.slot_fixed + 3 * carried_bytes(model)
+    assert kept.nbytes() - model.new_state_batch(4, 64).nbytes() == 4 * 3 * carried_bytes(model) > 0
+    assert drafting.context <= fit256.context
+
+
 def test_snapshots_in_host_memory_leave_more_context(model, fit256):
     host = _fit(model, 256 * MiB, snapshots=False, verify=False)
     assert host.context > fit256.context

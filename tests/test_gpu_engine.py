@@ -224,3 +224,22 @@ def test_a_model_parked_in_host_memory_comes_back_the_same(models, name, monkeyp
     after = run_staggered(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK), specs, [0, 1, 2, 3])
     for got, want in zip(after, before):
         assert_same_logits(got, want, f"{name}, {len(want.prompt_ids)}-token prompt, after an offload park")
+
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("slots", [1, 4])
+def test_mtp_on_equals_off_on_the_gpu(models, name, slots, monkeypatch):
+    """Speculative decoding (3 drafts a step, an oracle's drafts partly wrong) beside plain decoding from the
+    CUDA graph: every logits row each request's tokens come from is the same, greedy and seeded."""
+    from test_speculative import _oracle
+
+    record_logits(monkeypatch)
+    model, specs, starts = models[name], _specs(), [0, 2, 5, 9]
+    plain = run_staggered(Engine(model, slots=slots, context=CONTEXT, chunk=CHUNK), specs, starts)
+    _oracle(monkeypatch, {tuple(s["prompt_ids"]): r.output_ids for s, r in zip(specs, plain)}, random.Random(3),
+            wrong=0.3)
+    engine = Engine(model, slots=slots, context=CONTEXT, chunk=CHUNK, mtp=3, mtp_adaptive=False)
+    drafted = run_staggered(engine, specs, starts)
+    assert 0 < engine.drafter.counters.accepted < engine.drafter.counters.drafted
+    for got, want in zip(drafted, plain):
+        assert_same_logits(got, want, f"{name}, {slots} slots, {len(want.prompt_ids)}-token prompt, with drafts")

@@ -228,3 +228,28 @@ def test_concurrent_stats_calls_all_get_answers(server):
     for t in threads:
         t.join(30)
     assert results == [200] * 6 and time.time() - started < 8      # no caller waits out the 10 s timeout
+
+
+def test_a_drafting_server_answers_the_same_and_reports_its_drafts(tiny_checkpoint, server):
+    """mtp = 2 in the profile: /generate and the OpenAI usage report the drafts, /props and /metrics count them,
+    and the answer is the plain server's."""
+    drafting = Server(tiny_checkpoint, engine={"mtp": 2})
+    try:
+        ask = {"prompt_ids": list(range(3, 60)), "max_tokens": 12, "ignore_eos": True}
+        status, body, _ = drafting.request("POST", "/generate", ask)
+        assert status == 200, body
+        _, plain, _ = server.request("POST", "/generate", ask)
+        assert body["token_ids"] == plain["token_ids"]
+        mtp = body["usage"]["mtp"]
+        assert mtp["drafted"] > 0 and 0 <= mtp["accepted"] <= mtp["drafted"] and plain["usage"]["mtp"]["drafted"] == 0
+        status, completion, _ = drafting.request("POST", "/v1/completions", {"model": "tiny", "prompt": "The mill",
+                                                                            "max_tokens": 5, "temperature": 0})
+        assert status == 200 and completion["usage"]["mtp"]["drafted"] > 0
+        _, props, _ = drafting.request("GET", "/props", key=None)
+        assert props["mtp"] == {"profile": 2, "drafts": 2}
+        _, text, _ = drafting.request("GET", "/metrics", key=None)
+        drafted = [line for line in text.splitlines() if line.startswith("qwen4exp_mtp_drafted_tokens_total ")]
+        assert drafted and int(drafted[0].split()[1]) >= mtp["drafted"]
+        assert 'qwen4exp_mtp_accepted_at_total{position="2"}' in text
+    finally:
+        drafting.close()

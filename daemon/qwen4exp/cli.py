@@ -18,7 +18,8 @@ def _parse_ids(text: str) -> list[int]:
         raise SystemExit(f"error: --prompt-ids must be comma-separated integers: {err}") from None
 
 
-GENERATE_OVERRIDES = {"model": "model", "chunk": "chunk", "dtype": "dtype", "slots": "slots", "context": "max_ctx"}
+GENERATE_OVERRIDES = {"model": "model", "chunk": "chunk", "dtype": "dtype", "slots": "slots", "context": "max_ctx",
+                      "mtp": "mtp"}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -72,7 +73,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompts_file is None:
         return _print_answer(args, requests[0])
     answers = [{"index": i, "prompt_tokens": len(r.prompt_ids), "token_ids": r.output_ids, "text": r.text,
-                "finish_reason": r.finish_reason.value, "error": r.error, "timings": r.timings()}
+                "finish_reason": r.finish_reason.value, "error": r.error, "timings": r.timings(),
+                "mtp": {"drafted": r.mtp_drafted, "accepted": r.mtp_accepted}}
                for i, r in enumerate(requests)]
     if args.json:
         print(json.dumps({"slots": config.slots, "context": context, "chunk": config.chunk, "wall_s": round(wall, 3),
@@ -140,6 +142,7 @@ def _print_answer(args: argparse.Namespace, request) -> int:
             "token_ids": request.output_ids,
             "text": request.text,
             "finish_reason": request.finish_reason.value,
+            "mtp": {"drafted": request.mtp_drafted, "accepted": request.mtp_accepted},
             "timings": {"prefill_ms": prefill_ms, "prefill_tokens_per_s": prefill_rate,
                         "decode_ms": timings["decode_ms"], "decode_tokens_per_s": timings["decode_tokens_per_s"]},
         }))
@@ -163,7 +166,7 @@ def _settings(args: argparse.Namespace, keys: dict[str, str], extra: dict | None
 
 
 SERVE_OVERRIDES = {"model": "model", "host": "server.host", "port": "server.port", "max_ctx": "max_ctx",
-                   "slots": "slots", "chunk": "chunk", "dtype": "dtype"}
+                   "slots": "slots", "chunk": "chunk", "dtype": "dtype", "mtp": "mtp"}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -301,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default: the profile's target)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-text tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON document with ids, text and timings")
+    gen.add_argument("--mtp", default=None, help="drafted tokens per step with the MTP head (0 to 7), or 'auto' "
+                     "(default: the profile's); the answer is the same")
     _add_set(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -314,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--slots", type=int, default=None)
     srv.add_argument("--chunk", default=None, help="prompt chunk in tokens, or 'auto'")
     srv.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    srv.add_argument("--mtp", default=None, help="drafted tokens per step with the MTP head (0 to 7), or 'auto'")
     _add_set(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -50,6 +50,19 @@ def _tokens(value: Any) -> int | str:
     return value
 
 
+MAX_DRAFTS = 7     # engine_config.MAX_DRAFTS (tests/test_config.py checks they agree)
+
+
+def _drafts(value: Any) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_DRAFTS:
+        raise ValueError(f"expected 'auto' or a number of drafted tokens from 0 to {MAX_DRAFTS}, got {value!r}")
+    return value
+
+
 def _auto_size(value: Any) -> int | str:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
@@ -195,6 +208,11 @@ class Settings(BaseSettings):
     batch_prompts: bool = _field(False, "true or false",
                                  "Run the waiting slots' prompt chunks in one forward while their rows fit one chunk, "
                                  "each computed as alone; on a GPU they share the experts' weight reads.")
+    mtp: Annotated[int | Literal["auto"], PlainValidator(_drafts)] = _field(
+        "auto", f"'auto' or a number from 0 to {MAX_DRAFTS}",
+        "Speculative decoding with the model's MTP head: up to this many drafted tokens per slot and step, each "
+        "slot as many as its recent acceptance pays for; the output is the same as with 0. `auto`: 3 where the "
+        "backend verifies a step's positions together, else 0 (today: 0 everywhere, docs/ENGINE.md says why).")
     ple: Annotated[Literal["auto", "device", "host"], BeforeValidator(_lower)] = _field(
         "auto", "'auto', 'device' or 'host'",
         "Where a GGUF's quantized PLE n-gram table lives: `host` keeps it in pinned system memory (the GPU reads the "

@@ -21,7 +21,7 @@ import numpy
 import torch
 
 from .decode_runner import DecodeRunner, LaunchedStep
-from .engine_config import MAX_SLOTS, EngineConfig
+from .engine_config import MAX_SLOTS, EngineConfig, resolve_mtp
 from .memory import is_out_of_memory, release_cached_blocks, run_with_oom_retry
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .prefix_cache import PrefixCache
@@ -29,6 +29,7 @@ from .request import MAX_TOP_LOGPROBS, FinishReason, PositionLogprobs, QueueFull
 from .sampling import Sampler
 from .slots import Slot, SlotPool
 from .stops import StopMatcher
+from .speculative import Drafter
 from .warm_up import warm_up
 
 log = logging.getLogger("qwen4exp.engine")
@@ -85,7 +86,8 @@ class Engine:
     def __init__(self, model: Qwen4ExpForCausalLM, slots: int = 4, context: int = 4096, chunk: int = 512,
                  restore_spacing: int | None = None, queue_limit: int = 64, tokenizer=None,
                  prefix_cache: PrefixCache | None = None, cuda_graphs: bool = True, compile_decode: bool = False,
-                 decode_beside_prompts: bool = False, batch_prompts: bool = False):
+                 decode_beside_prompts: bool = False, batch_prompts: bool = False, mtp: int | str = 0,
+                 mtp_adaptive: bool = True):
         cfg = model.config
         spacing = restore_spacing or (prefix_cache.spacing if prefix_cache is not None else chunk)
         if not 1 <= slots <= MAX_SLOTS:
@@ -108,11 +110,16 @@ class Engine:
         self.device = model.lm_head.weight.device
         self.pool = SlotPool.allocate(model, slots, context)
         self.decoder = DecodeRunner(model, self.pool.states, self.device, graph=cuda_graphs, compile=compile_decode)
+        # Speculative decoding with the MTP head (speculative.py): mtp drafts at most per slot and step; "auto": as
+        # many as pay where the backend verifies positions together, none where it runs them one by one.
+        drafts = resolve_mtp(mtp, model)
+        self.drafter = Drafter(model, self.pool, self.decoder.rope, drafts, mtp_adaptive) if drafts else None
         # Decode steps between a short prompt chunk's layers (`_decode_beside`): for a GPU, where such a chunk keeps
         # the host busy and the device mostly idle; on a CPU they would only take turns with the chunk's work.
         # An eager step on a GPU allocates its temporaries; beside a chunk's it could run the device out of memory.
-        self.decode_beside_prompts = decode_beside_prompts and (self.decoder.graph is not None
-                                                                or self.device.type != "cuda")
+        # With drafting, each step needs its tokens before the next is drafted: no steps beside prompts.
+        self.decode_beside_prompts = decode_beside_prompts and self.drafter is None and (
+            self.decoder.graph is not None or self.device.type != "cuda")
         # Several slots' prompt chunks in one forward (`_prefill`), each computed as alone; on a GPU they share the
         # routed experts' weight reads, which a short prompt's chunk spends most of its device time on.
         self.batch_prompts = batch_prompts
@@ -141,7 +148,8 @@ class Engine:
         return cls(model, slots=config.slots, context=context, chunk=config.chunk,
                    restore_spacing=config.restore_spacing, queue_limit=config.queue_limit, tokenizer=tokenizer,
                    prefix_cache=prefix_cache, cuda_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
-                   decode_beside_prompts=config.decode_beside_prompts, batch_prompts=config.batch_prompts)
+                   decode_beside_prompts=config.decode_beside_prompts, batch_prompts=config.batch_prompts,
+                   mtp=config.mtp)
 
     def warm_up(self) -> float:
         """Compile every kernel a prompt can launch, on the first slot, before serving (warm_up.py); the
@@ -282,6 +290,8 @@ class Engine:
             slot.prefilled, restored_logits = self.prefix_cache.restore_longest(request.prompt_ids, slot.state)
             request.cached_tokens = slot.prefilled
         slot.sampler = Sampler(request.sampling, request.prompt_ids)
+        if self.drafter is not None:
+            self.drafter.start(slot)
         if self.tokenizer is not None:
             slot.detokenizer = self.tokenizer.detokenizer()
             if request.stop:
@@ -334,10 +344,10 @@ class Engine:
         # failed) starts from it.
         return _PromptChunk(slot, slot.request, slot.prefilled, end, ids, [t.clone() for t in slot.state.carried()])
 
-    def _run_chunks(self, chunks: list["_PromptChunk"]) -> list[torch.Tensor | str]:
-        """Each chunk's last logits, or the error it failed with (logged here; a message, so that nothing of the
-        failed forward outlives this call). A batch that fails runs again chunk by chunk, so that a failure
-        costs only its own request."""
+    def _run_chunks(self, chunks: list["_PromptChunk"]) -> list[torch.Tensor | tuple | str]:
+        """Each chunk's last logits (with a drafter: and its streams), or the error it failed with (logged here; a
+        message, so that nothing of the failed forward outlives this call). A batch that fails runs again chunk by
+        chunk, so that a failure costs only its own request."""
         beside = None
         # Several short chunks keep the host busier still than one: the steps go beside any batch of them.
         if self.decode_beside_prompts and max(c.end - c.begin for c in chunks) <= SHORT_CHUNK_ROWS:
@@ -349,6 +359,8 @@ class Engine:
                     for target, copy in zip(chunk.slot.state.carried(), chunk.saved):
                         target.copy_(copy)
                     chunk.slot.state.length = chunk.begin
+                if self.drafter is not None:        # the MTP head reads the chunks' streams
+                    return self.model.forward_chunks_with_streams([(c.ids, c.slot.state) for c in group])
                 if len(group) == 1:      # through the module's call, as hooks and benches expect it
                     return [self.model(group[0].ids, group[0].slot.state, between_layers=beside)]
                 return self.model.forward_chunks([(c.ids, c.slot.state) for c in group], between_layers=beside)
@@ -386,6 +398,9 @@ class Engine:
             return False
         try:
             logits = outcome
+            if self.drafter is not None:
+                logits, streams = outcome
+                self.drafter.after_prompt_chunk(slot, chunk.ids, streams, chunk.begin)
             slot.prefilled = end
             snapshot = self.prefix_cache is not None and self._keeps_snapshot_at(end, len(request.prompt_ids))
             if end < len(request.prompt_ids):
@@ -427,8 +442,51 @@ class Engine:
             log.exception("the last prefix snapshot of %s was not taken", request.id)
 
     def _decode(self) -> None:
+        if self.drafter is not None:
+            self._decode_speculative()
+            return
         self._launch_decode()
         self._finish_decode()
+
+    def _decode_speculative(self) -> None:
+        """One step with drafts (speculative.py): draft, verify, then each slot's positions sampled in order, as
+        plain decoding samples them, until one differs from the draft after it."""
+        decoding = [s for s in self.pool.slots if s.decoding]
+        if not decoding:
+            return
+        try:
+            drafts = self.drafter.draft(decoding)
+            logits, streams = self.drafter.verify(decoding, drafts)
+        except Exception as err:  # noqa: BLE001 - the batch failed: fail its requests, keep serving
+            log.exception("decode step failed")
+            for slot in decoding:
+                self._finish(slot, slot.request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
+            return
+        self.counters.decode_steps += 1
+        best = logits.argmax(-1).tolist() if any(s.sampler.takes_argmax for s in decoding) else None
+        kept: dict[int, int] = {}
+        for slot in decoding:
+            request, proposed, taken = slot.request, drafts[slot.index], 0
+            try:
+                while True:
+                    row = logits[taken, slot.index]
+                    sampler = slot.sampler
+                    token = sampler.take(best[taken][slot.index]) if sampler.takes_argmax else sampler(row)
+                    taken += 1
+                    slot.state.length += 1
+                    self._accept(slot, token, row)
+                    if not slot.busy or taken > len(proposed) or token != proposed[taken - 1]:
+                        break
+            except Exception as err:  # noqa: BLE001
+                log.exception("sampling failed for %s", request.id)
+                self._finish(slot, request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
+            accepted = max(taken - 1, 0)
+            request.mtp_drafted += len(proposed)
+            request.mtp_accepted += accepted
+            self.drafter.count(len(proposed), accepted)
+            if slot.busy:
+                kept[slot.index] = taken
+        self.drafter.commit(kept, streams, drafts)
 
     def _decode_beside(self, chunk_ends: dict[int, int]) -> None:
         """Between two layers of a prompt forward (the chunk of each slot index in `chunk_ends` ends there): take

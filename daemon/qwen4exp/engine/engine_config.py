@@ -17,6 +17,8 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # kernel, which reads each weight once at memory bandwidth (more rows would go to F.linear). The profile schema
 # says the same number (config/schema.py; tests/test_config.py holds them together).
 MAX_SLOTS = 16
+MAX_DRAFTS = 7        # most drafted tokens per slot and step (speculative.py)
+AUTO_DRAFTS = 3       # what mtp = "auto" drafts where drafting pays
 
 
 def _size(tables) -> str:
@@ -28,6 +30,19 @@ def _whole(key: str, value: Any, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
         span = f"from {low} to {high}" if high is not None else f"of at least {low}"
         raise ValueError(f"engine setting {key} must be a whole number {span}, got {value!r}")
+
+
+def resolve_mtp(mtp: int | str, model) -> int:
+    """The most drafts per slot and step for a profile's `mtp` (speculative.py): "auto" gives AUTO_DRAFTS where the
+    model has an MTP head and its ops backend verifies positions together (a verify step then costs little more
+    than a plain one) off a CPU, whose steps are bound by the host's work that drafting adds to; else 0. A number
+    is taken as it is."""
+    if mtp == "auto":
+        pays = model.ops.rows_independent and model.lm_head.weight.device.type != "cpu"
+        return AUTO_DRAFTS if model.mtp is not None and pays else 0
+    if isinstance(mtp, bool) or not isinstance(mtp, int) or not 0 <= mtp <= MAX_DRAFTS:
+        raise ValueError(f"mtp must be \"auto\" or a number of drafts from 0 to {MAX_DRAFTS}, got {mtp!r}")
+    return mtp
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,7 @@ class EngineConfig:
     decode_beside_prompts: bool = False   # decode steps between a short prompt chunk's layers (engine.py)
     batch_prompts: bool = False           # several slots' prompt chunks in one forward (engine.py)
     ple: str = "auto"                     # where a GGUF's quantized PLE table lives: "device", "host", or "auto"
+    mtp: int | str = "auto"               # most drafted tokens per slot and step, or "auto" (speculative.py)
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -70,6 +86,8 @@ class EngineConfig:
         _whole("queue_limit", self.queue_limit, 1)
         if self.ple not in ("auto", "device", "host"):
             raise ValueError(f"engine setting ple must be 'auto', 'device' or 'host', got {self.ple!r}")
+        if self.mtp != "auto":
+            _whole("mtp", self.mtp, 0, MAX_DRAFTS)
         for key in ("prefix_cache", "cuda_graphs", "compile_decode", "decode_beside_prompts", "batch_prompts"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"engine setting {key} must be true or false, got {getattr(self, key)!r}")
@@ -87,8 +105,7 @@ class EngineConfig:
                    prefix_cache_limit=cache.resident_limit, device_memory_limit=settings.memory_limit_for(target),
                    queue_limit=settings.server.queue_limit, cuda_graphs=settings.cuda_graphs,
                    compile_decode=settings.compile_decode, decode_beside_prompts=settings.decode_beside_prompts,
-                   batch_prompts=settings.batch_prompts,
-                   ple=settings.ple)
+                   batch_prompts=settings.batch_prompts, ple=settings.ple, mtp=settings.mtp)
 
     @property
     def spacing(self) -> int:
@@ -137,7 +154,7 @@ class EngineConfig:
         from .fit import resolve_max_ctx
         from .loading import quantized_ple_tables
 
-        settings = self.fit_settings(device) | fit_overrides
+        settings = self.fit_settings(device) | {"draft_positions": resolve_mtp(self.mtp, model)} | fit_overrides
         choice = resolve_max_ctx(self.max_ctx, model, **settings)
         tables = [table for table in quantized_ple_tables(model) if not table.host]
         if (self.ple != "auto" or device.type != "cuda" or not tables or choice.fit is None

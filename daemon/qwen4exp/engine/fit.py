@@ -26,6 +26,7 @@ from .fit_measure import (Verification, measure_state, measure_workspace, usable
 from .memory import DeviceMemoryError, as_device, device_memory_limit, human_size, run_with_oom_retry
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
+from .state import SequenceState
 
 _ROUNDS = 4     # estimates refined by a sample at the answer; a line settles in one or two
 _CHECKS = 4     # verifications before giving up; each miss moves the answer down
@@ -80,6 +81,13 @@ def model_config(model: torch.nn.Module) -> ModelConfig:
         raise FitError(f"max_ctx = 'auto' is fitted only for qwen4_exp models, not {type(model).__name__}; "
                        f"set max_ctx to a number")
     return model.config
+
+
+def carried_bytes(model: Qwen4ExpForCausalLM) -> int:
+    """One slot's carried state (conv, recurrent and PLE states: StateBatch.allocate_history keeps one per draft
+    position), sized without allocating."""
+    state = SequenceState(model.config, 1, "meta", model.lm_head.weight.dtype)
+    return sum(t.numel() * t.element_size() for t in state.carried())
 
 
 def resolve_max_ctx(value: str | int, model: torch.nn.Module, **fit_kwargs) -> ContextChoice:
@@ -139,7 +147,7 @@ def settle_workspace(sample, estimate, samples: list[tuple[int, int]], floor: in
 def fit_context(model: torch.nn.Module, *, slots: int, chunk_floor: int = 256, max_chunk: int = 8192,
                 device: torch.device | str, memory_limit: int | None = None, snapshots_on_device: bool,
                 headroom: float = 0.1, trained: int = 262144, step: int = 4096, floor: int = 4096,
-                verify: bool = True) -> FitResult:
+                verify: bool = True, draft_positions: int = 0) -> FitResult:
     """The largest context (a multiple of `step` in [floor, trained]) at which `slots` slots, the floor
     chunk at the last position and (with `snapshots_on_device`) one full snapshot per slot fit in the
     device's capacity less `headroom`; and the largest prompt chunk at that context.
@@ -182,6 +190,8 @@ def fit_context(model: torch.nn.Module, *, slots: int, chunk_floor: int = 256, m
                        f"available on {device} ({human_size(capacity)}, {source}, less {headroom:.0%} headroom)")
     per_position, fixed = run_with_oom_retry(lambda: measure_state(model, device, _STATE_PROBE), device,
                                              "one slot's state at two capacities")
+    # Speculative decoding keeps each slot's carried state after every draft position of a verify step.
+    fixed += draft_positions * carried_bytes(model)
     samples: list[tuple[int, int]] = []
 
     def planner() -> _core.Planner:

@@ -58,6 +58,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[PositionLogprobs] = field(default_factory=list)   # one per output id, when asked
     cached_tokens: int = 0                           # prompt tokens restored from the prefix cache
+    mtp_drafted: int = 0                             # tokens the MTP head drafted for it (speculative.py)
+    mtp_accepted: int = 0                            # ... that the model then produced
     slot: int | None = None                          # the slot that served it
     text: str = ""
     finish_reason: FinishReason | None = None

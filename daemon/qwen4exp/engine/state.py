@@ -81,6 +81,11 @@ def _allocate(cfg: ModelConfig, capacity: int, device, dtype: torch.dtype, extra
     return layers, ple, extra
 
 
+def _carried(layers, ple: dict) -> list[torch.Tensor]:
+    tensors = [t for layer in layers if isinstance(layer, DeltaNetState) for t in (layer.conv, layer.recurrent)]
+    return tensors + [t for part in ple.values() for t in (part.conv, part.context_ids)]
+
+
 def _row(part, index: int):
     """The same state dataclass over row `index` of a batched one (views: writes land in the batch)."""
     return type(part)(**{name: tensor[index] for name, tensor in vars(part).items()})
@@ -112,8 +117,7 @@ class SequenceState:
     def carried(self) -> list[torch.Tensor]:
         """The tensors a forward updates in place (not by position): saved before a prompt chunk so that a
         chunk retried after an out-of-memory error starts from the same state."""
-        tensors = [t for layer in self.layers if isinstance(layer, DeltaNetState) for t in (layer.conv, layer.recurrent)]
-        return tensors + [t for ple in self.ple.values() for t in (ple.conv, ple.context_ids)]
+        return _carried(self.layers, self.ple)
 
     def check_room(self, new_tokens: int) -> None:
         if self.length + new_tokens > self.capacity:
@@ -143,6 +147,7 @@ class StateBatch:
         self.capacity = capacity
         self.layers, self.ple, self.extra = _allocate(cfg, capacity, device, dtype, extra_attention_layers,
                                                       (count,))
+        self._history: dict[int, torch.Tensor] = {}
         self.rows = [
             SequenceState(cfg, capacity, device, dtype, _parts=(
                 [_row(layer, i) for layer in self.layers],
@@ -152,4 +157,30 @@ class StateBatch:
         ]
 
     def nbytes(self) -> int:
-        return sum(row.nbytes() for row in self.rows)
+        return sum(row.nbytes() for row in self.rows) + sum(t.numel() * t.element_size()
+                                                            for t in self._history.values())
+
+    # ---- verify steps (speculative decoding: model/verify.py) ----------------------------------------------------
+    def allocate_history(self, positions: int) -> None:
+        """Room for the carried state after each of the first `positions` sub-steps of a verify step (one of
+        `positions` + 1 sub-steps at most), where `keep` puts it and `commit` finds it."""
+        self._history = {id(t): torch.empty((positions, *t.shape), dtype=t.dtype, device=t.device)
+                         for t in _carried(self.layers, self.ple)} if positions else {}
+
+    def carried(self) -> list[torch.Tensor]:
+        """Every row's carried tensors, batched (SequenceState.carried)."""
+        return _carried(self.layers, self.ple)
+
+    def keep(self, tensor: torch.Tensor, substep: int) -> None:
+        """Keep a carried tensor's value after sub-step `substep` of a verify step."""
+        self._history[id(tensor)][substep].copy_(tensor)
+
+    def commit(self, last: torch.Tensor, substeps: int) -> None:
+        """After a verify step of `substeps` sub-steps: each row's carried state becomes the one it had after its
+        sub-step last[row] (a device tensor [N]; substeps - 1: as the step left it). No host synchronisation."""
+        if substeps == 1:
+            return
+        rows = torch.arange(len(self.rows), device=last.device)
+        for tensor in _carried(self.layers, self.ple):
+            kept = self._history[id(tensor)][:substeps - 1]
+            tensor.copy_(torch.cat((kept, tensor[None]))[last, rows])

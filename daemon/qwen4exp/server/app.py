@@ -83,6 +83,8 @@ async def props(request: web.Request) -> web.Response:
         # How prompt chunks share the engine with the rest (docs/CONFIG.md): what the profile asked for.
         "decode_beside_prompts": engine.decode_beside_prompts,
         "batch_prompts": engine.batch_prompts,
+        # Speculative decoding: the profile's setting, and the drafts per step it resolved to in the engine.
+        "mtp": {"profile": engine.mtp, "drafts": (stats.get("mtp") or {}).get("drafts")},
         "device": supervisor.info.get("device"),
         "warm_up_s": supervisor.info.get("warm_up_seconds"),
         "dtype": engine.dtype,

@@ -23,6 +23,7 @@ def usage(result: Result) -> dict:
         "prefill_ms": timings.get("prefill_ms"),
         "decode_tokens_per_s": timings.get("decode_tokens_per_s"),
         "queued_ms": timings.get("queued_ms"),
+        "mtp": result.mtp,
     }
 
 

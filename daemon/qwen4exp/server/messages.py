@@ -105,6 +105,7 @@ class Result:
     cached_tokens: int
     timings: dict = field(default_factory=dict)
     logprobs: list[TokenLogprobs] | None = None   # one per output id, when the request asked for them
+    mtp: dict = field(default_factory=dict)       # {"drafted": D, "accepted": A}: speculative decoding's share
 
 
 @dataclass(frozen=True)

@@ -265,6 +265,19 @@ def _daemon_metrics(supervisor, stats: dict, guard) -> str:
             _line("qwen4exp_decode_steps_beside_prompts_total", loop["decode_steps_beside_prompts"],
                   "decode steps run between a prompt forward's layers (decode_beside_prompts)", "counter"),
         ]
+    mtp = stats.get("mtp")
+    if mtp and mtp["drafts"]:     # speculative decoding's counts (engine/speculative.py), as the loop's
+        out += [
+            _line("qwen4exp_mtp_verify_steps_total", mtp["verify_steps"], "decode steps run as verify steps",
+                  "counter"),
+            _line("qwen4exp_mtp_drafted_tokens_total", mtp["drafted"], "tokens the MTP head drafted", "counter"),
+            _line("qwen4exp_mtp_accepted_tokens_total", mtp["accepted"],
+                  "drafted tokens the model then produced", "counter"),
+            "# HELP qwen4exp_mtp_accepted_at_total verify steps whose draft at this position was accepted\n"
+            "# TYPE qwen4exp_mtp_accepted_at_total counter\n",
+            *(f'qwen4exp_mtp_accepted_at_total{{position="{i + 1}"}} {n}\n'
+              for i, n in enumerate(mtp["accepted_at"])),
+        ]
     cache = stats.get("prefix_cache")
     if cache:
         store = cache["store"]

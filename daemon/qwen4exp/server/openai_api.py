@@ -23,7 +23,8 @@ routes = web.RouteTableDef()
 def _usage(result: Result) -> dict:
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.output_ids),
             "total_tokens": result.prompt_tokens + len(result.output_ids),
-            "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+            "mtp": result.mtp}
 
 
 async def _serve(request: web.Request, kind: str) -> web.StreamResponse:

@@ -142,7 +142,8 @@ class Worker:
         self.send(Finished(request.id, Result(
             finish_reason=request.finish_reason.value, error=request.error, text=request.text,
             output_ids=request.output_ids, prompt_tokens=len(request.prompt_ids),
-            cached_tokens=request.cached_tokens, timings=request.timings(), logprobs=logprobs)))
+            cached_tokens=request.cached_tokens, timings=request.timings(), logprobs=logprobs,
+            mtp={"drafted": request.mtp_drafted, "accepted": request.mtp_accepted})))
 
     def stats(self) -> dict:
         engine = self.engine
@@ -151,6 +152,8 @@ class Worker:
             busy = engine.pool.busy()
             info.update(busy_slots=len(busy), slots=len(engine.pool.slots), queued=engine.queued, chunk=engine.chunk,
                         used_positions=sum(slot.state.length for slot in busy), loop=dict(vars(engine.counters)))
+            drafter = engine.drafter
+            info["mtp"] = {"drafts": drafter.most if drafter else 0, **(vars(drafter.counters) if drafter else {})}
         if self.cache is not None:
             info["prefix_cache"] = self.cache.stats()
         info["memory"] = _memory_in_use()

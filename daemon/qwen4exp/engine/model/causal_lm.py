@@ -16,7 +16,7 @@ from torch import nn
 from ..state import SequenceState, StateBatch
 from .config import ModelConfig
 from .decoder import DecoderLayer, hyper_connection
-from .mtp import MTPHead
+from .mtp import HeadState, MTPHead
 from .backend import ops_for
 from .ops import TorchOps
 from .rope import Rotary
@@ -31,6 +31,20 @@ class TextModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, cfg.is_qsa(i), ple_index.get(i)) for i in range(cfg.num_hidden_layers))
         self.hyper_connection_mixer = hyper_connection(cfg, inject=False)
+
+
+def _one_by_one(run, substeps: int, rows: list[torch.Tensor], carried: list[torch.Tensor] = (), keep=None):
+    """A verify step as `substeps` plain steps, for a backend whose rows are not independent of the row count:
+    run(sub-step j's slice of each of `rows`) for each j, the carried tensors kept after each but the last; the
+    outputs (tuples of tensors or None) concatenated."""
+    n = rows[0].shape[0] // substeps
+    outs = []
+    for j in range(substeps):
+        outs.append(run(*(r[j * n:(j + 1) * n] for r in rows)))
+        if j < substeps - 1:
+            for tensor in carried:
+                keep(tensor, j)
+    return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs))
 
 
 class Qwen4ExpForCausalLM(nn.Module):
@@ -94,6 +108,13 @@ class Qwen4ExpForCausalLM(nn.Module):
         """Prompt chunks of several sequences (each as `forward` takes one, each sequence once) in one forward:
         each chunk's logits and state are the ones `forward` gives it alone (ops.chunks_experts: where the
         backend can, the chunks share the routed experts' launch and weight reads)."""
+        return [logits for logits, _ in self.forward_chunks_with_streams(chunks, all_logits, between_layers)]
+
+    @torch.inference_mode()
+    def forward_chunks_with_streams(self, chunks: list[tuple[torch.Tensor, SequenceState]], all_logits: bool = False,
+                                    between_layers: Callable[[], None] | None = None
+                                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`forward_chunks`, with each chunk's final streams [n, hc*H] (what the MTP head reads) beside its logits."""
         for token_ids, state in chunks:
             if token_ids.numel() == 0:
                 raise ValueError("a chunk needs at least one token")
@@ -102,10 +123,10 @@ class Qwen4ExpForCausalLM(nn.Module):
         rope = self.rope(end, chunks[0][0].device)
         steps = [Step.chunk(self.ops, token_ids, state, rope) for token_ids, state in chunks]
         outs = []
-        for step, (hidden, _) in zip(steps, self.run_steps(steps, between_layers)):
+        for step, (hidden, streams) in zip(steps, self.run_steps(steps, between_layers)):
             step.state.length += step.token_ids.numel()
             logits = self.ops.linear(hidden if all_logits else hidden[-1:], self.lm_head.weight, step)
-            outs.append(logits if all_logits else logits[0])
+            outs.append((logits if all_logits else logits[0], streams))
         return outs
 
     @torch.inference_mode()
@@ -121,9 +142,54 @@ class Qwen4ExpForCausalLM(nn.Module):
 
     def decode_rows_impl(self, token_ids, positions, active, states: StateBatch, rope) -> torch.Tensor:
         """decode_rows without its inference-mode wrapper (what torch.compile traces)."""
-        step = Step.rows(self.ops, token_ids, positions.clamp(0, states.capacity - 1), active, states, rope)
-        hidden, _ = self.run(step)
-        return self.ops.linear(hidden, self.lm_head.weight, step)
+        return self.verify_rows_impl(token_ids, positions, active, states, rope, 1)[0]
+
+    @torch.inference_mode()
+    def verify_rows(self, token_ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor,
+                    states: StateBatch, rope: tuple[torch.Tensor, torch.Tensor], substeps: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`substeps` decode steps of every row of `states` in one forward (a verify step, model/verify.py): the
+        inputs are [substeps * N], position-major (sub-step j's rows are [j*N, (j+1)*N)); each row's logits are the
+        ones `decode_rows` gives it after the sub-steps before. The carried state is left as after the last
+        sub-step, with the ones before in the history: `states.commit` keeps each row's accepted one.
+        Returns (logits [R, V], the final streams [R, hc*H] the MTP head reads)."""
+        return self.verify_rows_impl(token_ids, positions, active, states, rope, substeps)
+
+    def verify_rows_impl(self, token_ids, positions, active, states: StateBatch, rope, substeps: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        if substeps > 1 and not self.ops.rows_independent:
+            return _one_by_one(lambda *rows: self.verify_rows_impl(*rows, states, rope, 1), substeps,
+                               [token_ids, positions, active], states.carried(), states.keep)
+        step = Step.rows(self.ops, token_ids, positions.clamp(0, states.capacity - 1), active, states, rope,
+                         substeps)
+        hidden, streams = self.run(step)
+        return self.ops.linear(hidden, self.lm_head.weight, step), streams
+
+    # ---- the MTP head (speculative decoding's drafter) ---------------------------------------------------------
+    @torch.inference_mode()
+    def draft_chunk(self, streams: torch.Tensor, token_ids: torch.Tensor, state: SequenceState, start: int) -> None:
+        """The MTP head over a prompt's positions start..start+n-1 (streams [n, hc*H] of those positions, token_ids
+        [n] the tokens after them): fills its attention cache (state.extra) there, as drafting will read it."""
+        view = HeadState(state.extra, state.capacity, start)
+        step = Step.chunk(self.ops, token_ids, view, self.rope(start + token_ids.numel(), token_ids.device))
+        self.mtp(self.mtp.fuse(streams, self.ops.table_rows(self.model.embed_tokens, token_ids), step), step)
+
+    @torch.inference_mode()
+    def draft_rows(self, streams: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+                   active: torch.Tensor, states: StateBatch, rope: tuple[torch.Tensor, torch.Tensor],
+                   substeps: int = 1, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The MTP head over rows as a decode (or, with substeps, verify) step: row i fuses the main streams at
+        positions[i] with token_ids[i], the token after that position; its attention cache is states.extra.
+        Returns (the logits of the token after token_ids[i] [R, V], or None without `logits`; the head's own
+        streams [R, hc*H], which the next draft position reads in place of the main model's)."""
+        if substeps > 1 and not self.ops.rows_independent:
+            return _one_by_one(lambda *rows: self.draft_rows(*rows, states, rope, 1, logits), substeps,
+                               [streams, token_ids, positions, active])
+        view = HeadState(states.extra, states.capacity)
+        step = Step.rows(self.ops, token_ids, positions.clamp(0, states.capacity - 1), active, view, rope, substeps)
+        hidden, out = self.mtp(self.mtp.fuse(streams, self.ops.table_rows(self.model.embed_tokens, token_ids), step),
+                               step)
+        return (self.ops.linear(hidden, self.lm_head.weight, step) if logits else None), out
 
     def run(self, step: Step, between_layers: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers over a step -> (the mixed hidden rows [T, H] for the LM head, the streams [T, hc*H] they

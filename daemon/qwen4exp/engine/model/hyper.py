@@ -38,16 +38,17 @@ class GatedResidual(SharedInputProjections):
         streams, normed = ops.update_and_norm(streams, self.hc_norm, add, inject)
         down, *gate_logits = self.project_input(normed, step)
         mixed, gates = ops.mix_streams(down, self.input_mix_weight_up.weight, normed, self.hc_count,
-                                       gate_logits[0] if gate_logits else None)
+                                       gate_logits[0] if gate_logits else None, step)
         return streams, mixed, gates
 
 
 def mix_streams(down: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tensor, hc: int,
-                gate_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                gate_logits: torch.Tensor | None, product=F.linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The torch form of the mixing: weights sigmoid(up(silu(down / hc))) per stream channel, the mean of the
-    weighted normed streams [T, H], and the injection gates 2 sigmoid(logits / hc) [T, hc] (or None)."""
+    weighted normed streams [T, H], and the injection gates 2 sigmoid(logits / hc) [T, hc] (or None). `product`
+    multiplies by the up projection (ops.decode_product in a decode step)."""
     hidden = normed.shape[-1] // hc
-    weights = torch.sigmoid(F.linear(F.silu(down / hc), up_weight)).unflatten(-1, (hc, hidden))
+    weights = torch.sigmoid(product(F.silu(down / hc), up_weight)).unflatten(-1, (hc, hidden))
     mixed = (weights * normed.unflatten(-1, (hc, hidden))).mean(dim=-2)
     return mixed, None if gate_logits is None else 2 * torch.sigmoid(gate_logits / hc)
 

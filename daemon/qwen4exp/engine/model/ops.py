@@ -24,16 +24,48 @@ from .quantized import QuantizedStack
 from .rope import apply_rotary
 
 
+# Where a verify step runs its positions together (rows_independent), a decode or verify step's products run in
+# GEMMs of exactly this many rows (the last one padded). A CPU BLAS sums a row differently for other row counts (a
+# lone row takes a matrix-vector path; below ~4 rows and a short input, another kernel), but within one fixed shape
+# a row's result depends on that row alone. So each row of a step sums alike whatever the step's row count: a
+# verify step's positions (verify.py) get a plain step's numbers. Elsewhere the padding would only cost time (a
+# third of the embedded model's one-slot decode speed).
+DECODE_ROW_BLOCK = 16
+
+
+def decode_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight.T in GEMMs of DECODE_ROW_BLOCK rows."""
+    rows = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -rows % DECODE_ROW_BLOCK))
+    return torch.cat([F.linear(block, weight) for block in padded.split(DECODE_ROW_BLOCK)])[:rows]
+
+
+def _simd_free() -> bool:
+    """Whether ATen's CPU kernels run without SIMD (ATEN_CPU_CAPABILITY=default): then an element-wise op gives an
+    element the same bits wherever it sits. With SIMD, elements in a tensor's scalar tail (past its last whole
+    vector) take other code than the vectorized body, and sigmoid, silu or exp may round differently there, so
+    a row's numbers depend on how many rows the tensor has."""
+    return torch.backends.cpu.get_cpu_capability() == "DEFAULT"
+
+
 class TorchOps:
     name = "torch"
+    # Whether a row's numbers in a step depend on that row alone whatever the step's row count (not only for a
+    # fixed count): then a verify step runs its positions' row-wise ops together (verify.py), else sub-step by
+    # sub-step, each a plain decode step.
+    rows_independent = _simd_free()
 
     # ---- row-wise --------------------------------------------------------------------------------------
+    def _product(self, step):
+        return decode_product if step.decode and self.rows_independent else F.linear
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedStack, step) -> torch.Tensor:
         """x @ weight.T: the projections a layer makes (docs/ARCHITECTURE.md lists the weights read otherwise); a
-        weight kept as GGML blocks multiplies as its dense twin."""
+        weight kept as GGML blocks multiplies as its dense twin (a decode step's in fixed row blocks, where the
+        verify step runs its positions together)."""
         if isinstance(weight, QuantizedStack):
             weight = weight.dequantize()
-        return F.linear(x, weight)
+        return self._product(step)(x, weight)
 
     def shared_linear(self, x: torch.Tensor, runs: list, sizes: list[int], step) -> tuple[torch.Tensor, ...]:
         """x times each weight of a shared input (shared_input.py: `runs` of (stack, the weights' positions),
@@ -47,7 +79,7 @@ class TorchOps:
             dense = stack.dequantize() if isinstance(stack, QuantizedStack) else stack
             for i, part in zip(members, dense.split([sizes[i] for i in members])):
                 rows[i] = part
-        return F.linear(x, torch.cat(rows)).split(sizes, dim=-1)
+        return self._product(step)(x, torch.cat(rows)).split(sizes, dim=-1)
 
     def rms_norm(self, x: torch.Tensor, norm) -> torch.Tensor:
         return norm(x)
@@ -68,8 +100,8 @@ class TorchOps:
         return streams, self.rms_norm(streams, norm)
 
     def mix_streams(self, down: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tensor, hc: int,
-                    gate_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return hyper.mix_streams(down, up_weight, normed, hc, gate_logits)
+                    gate_logits: torch.Tensor | None, step) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return hyper.mix_streams(down, up_weight, normed, hc, gate_logits, self._product(step))
 
     def route(self, logits: torch.Tensor, top_k: int, normalize: bool, step) -> tuple[torch.Tensor, torch.Tensor]:
         return moe.route(logits, top_k, normalize)

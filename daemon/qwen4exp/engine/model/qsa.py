@@ -96,17 +96,19 @@ class Indexer(nn.Module):
             state.block_keys[first:last] = self._pool(raw, block_starts, step)
 
     def _store_rows(self, raw_keys: torch.Tensor, step, state: AttentionState) -> None:
-        """Each row's key at its position (idle rows write past their length: never read), and the block it
-        completes, if it does, for active rows: fixed shapes."""
-        positions, n = step.positions, raw_keys.shape[0]
-        rows = torch.arange(n, device=raw_keys.device)
-        state.index_keys[rows, positions] = raw_keys
-        block = ((positions + 1) // self.ratio - 1).clamp_min(0)
-        starts = block * self.ratio
-        raw = state.index_keys[rows[:, None], starts[:, None] + torch.arange(self.ratio, device=raw_keys.device)]
-        finished = (step.active & ((positions + 1) % self.ratio == 0))[:, None]
-        state.block_keys[rows, block] = torch.where(finished, self._pool(raw, starts, step),
-                                                    state.block_keys[rows, block])
+        """Each row's key at its position (idle rows write past their length: never read), then, sub-step by
+        sub-step (a verify step's later positions may complete a block an earlier one reads), the block each
+        active row completes, if it does: fixed shapes."""
+        state.index_keys[step.state_rows, step.positions] = raw_keys
+        for view in step.substep_views():
+            positions = view.positions
+            rows = torch.arange(positions.numel(), device=raw_keys.device)
+            block = ((positions + 1) // self.ratio - 1).clamp_min(0)
+            starts = block * self.ratio
+            raw = state.index_keys[rows[:, None], starts[:, None] + torch.arange(self.ratio, device=raw_keys.device)]
+            finished = (view.active & ((positions + 1) % self.ratio == 0))[:, None]
+            state.block_keys[rows, block] = torch.where(finished, self._pool(raw, starts, view),
+                                                        state.block_keys[rows, block])
 
     def select_mask(self, q: torch.Tensor, start: int, state: AttentionState) -> torch.Tensor | None:
         """Token selection for a chunk's queries q [n, heads, dim] at positions start..start+n-1 (their keys
@@ -201,7 +203,7 @@ class QSAAttention(nn.Module):
         k = ops.rotate(ops.rms_norm(k, self.k_norm), step.cos, step.sin)
         v = ops.linear(x, self.v_proj.weight, step).view(n, self.kv_heads, self.head_dim)
         if step.decode:
-            rows = torch.arange(n, device=x.device)
+            rows = step.state_rows
             state.keys[rows, :, step.positions] = k
             state.values[rows, :, step.positions] = v
         else:

@@ -4,6 +4,9 @@ Two phases share every layer's one forward:
 - a prompt chunk: n new tokens of one sequence at positions start..start+n-1, over its SequenceState;
 - a decode step: one new token for each of the N rows of a StateBatch, at fixed shapes (a CUDA graph replays
   it); rows not `active` compute but keep their state.
+- a verify step (speculative decoding, verify.py): `substeps` decode steps in one forward, rows position-major
+  (rows [j*N, (j+1)*N) are sub-step j, one row per state row); row-wise ops take all rows at once, per-phase ops
+  run sub-step by sub-step at the decode step's shape, so each row computes what a decode step computes.
 Both states have the same layout (`layers[i]`, `ple[i]`, `extra`), the first with a leading row dimension in
 decode, so a layer reads its state as `step.state.layers[i]` in either phase. What truly differs by phase (conv,
 the delta rule, the n-gram context, QSA selection and attention, the experts) is an ops call that asks
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..state import SequenceState, StateBatch
+from .verify import SubstepOps
 
 if TYPE_CHECKING:
     from .ops import TorchOps
@@ -35,8 +39,10 @@ class Step:
     start: int = 0                       # a chunk's first position, on the host (slices need no device read)
     active: torch.Tensor | None = None   # decode: [N] bool, the rows whose state advances
     flags: torch.Tensor | None = None    # active as uint8, converted once per step for the kernels that read it
+    substeps: int = 1                    # decode: how many sub-steps the rows hold (a verify step's positions)
     cos: torch.Tensor = field(init=False)   # the rows' own rope values [T, rotary_dim]
     sin: torch.Tensor = field(init=False)
+    _views: list | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.decode:
@@ -49,6 +55,23 @@ class Step:
     @property
     def decode(self) -> bool:
         return self.active is not None
+
+    @property
+    def state_rows(self) -> torch.Tensor:
+        """decode: each row's row of the state batch (row r belongs to state row r mod N)."""
+        rows = torch.arange(self.token_ids.numel() // self.substeps, device=self.token_ids.device)
+        return rows.repeat(self.substeps) if self.substeps > 1 else rows
+
+    def substep_views(self) -> list["Step"]:
+        """decode: each sub-step as a decode step of its own over the same state (one step: itself)."""
+        if self.substeps == 1:
+            return [self]
+        if self._views is None:
+            n = self.token_ids.numel() // self.substeps
+            parts = [slice(j * n, (j + 1) * n) for j in range(self.substeps)]
+            self._views = [Step(self.ops.base, self.token_ids[part], self.positions[part], self.state, self.cos_table,
+                                self.sin_table, active=self.active[part], flags=self.flags[part]) for part in parts]
+        return self._views
 
     @property
     def end(self) -> int:
@@ -64,5 +87,7 @@ class Step:
 
     @classmethod
     def rows(cls, ops, token_ids: torch.Tensor, positions: torch.Tensor, active: torch.Tensor, states: StateBatch,
-             rope: tuple[torch.Tensor, torch.Tensor]) -> "Step":
-        return cls(ops, token_ids, positions, states, rope[0], rope[1], active=active)
+             rope: tuple[torch.Tensor, torch.Tensor], substeps: int = 1) -> "Step":
+        if substeps > 1:
+            ops = SubstepOps(ops)
+        return cls(ops, token_ids, positions, states, rope[0], rope[1], active=active, substeps=substeps)

@@ -14,16 +14,14 @@ compute is added beside it, through forward hooks:
   indexer);
 - the MoE load-balancing loss (`balance_loss`, Switch Transformer style: E * sum_e f_e * P_e).
 
-The MTP fusion is the one described in mtp.py: streams [T, hc, H] are normalised over their whole width by
-`pre_fc_norm_hidden` and projected stream by stream with `fc_hidden`; the normalised next-token embedding,
-projected by `fc_embedding`, is added to every stream.
+The MTP head's forward is the serving one (mtp.py: `MTPHead.fuse` and its layer), over a fresh attention cache per
+sequence.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +29,7 @@ import torch.nn.functional as F
 from ..state import AttentionState, SequenceState
 from .causal_lm import Qwen4ExpForCausalLM
 from .moe import Router
+from .mtp import HeadState
 from .ops import TORCH_OPS
 from .qsa import QSAAttention
 from .rope import apply_rotary
@@ -117,21 +116,14 @@ def mtp_logits(model: Qwen4ExpForCausalLM, streams: torch.Tensor, ids: torch.Ten
     """MTP logits [B, T-1, V]: row t predicts token t+2 from the main streams at t [B*T, hc*H] and token t+1."""
     head, cfg = model.mtp, model.config
     batch, length = ids.shape
-    hc, hidden = cfg.hc_count, cfg.hidden_size
-    streams = streams.view(batch, length, hc * hidden)[:, :-1]
+    streams = streams.view(batch, length, -1)[:, :-1]
     embedded = model.model.embed_tokens(ids[:, 1:])
-    fused = head.fc_hidden(head.pre_fc_norm_hidden(streams).unflatten(-1, (hc, hidden)))
-    fused = fused + head.fc_embedding(head.pre_fc_norm_embedding(embedded)).unsqueeze(-2)
     n = length - 1
-    # The MTP layer is built as layer 0 of its own stack: give it a state whose layer 0 is an attention cache.
-    shims = [SimpleNamespace(layers=[_attention_state(cfg, n, ids.device, model.lm_head.weight.dtype)], ple={},
-                             length=0) for _ in range(batch)]
     outs = []
-    for x, step in zip(fused.flatten(-2), _steps(model, ids[:, 1:], shims)):
-        pending = None
-        for layer in head.layers:
-            x, pending = layer(x, step, pending)
-        outs.append(head.hyper_connection_mixer(x, step, inject=pending)[1])
+    for b in range(batch):
+        view = HeadState([_attention_state(cfg, n, ids.device, model.lm_head.weight.dtype)], n)
+        step = _steps(model, ids[b:b + 1, 1:], [view])[0]
+        outs.append(head(head.fuse(streams[b], embedded[b], step), step)[0])
     return model.lm_head(torch.stack(outs))
 
 

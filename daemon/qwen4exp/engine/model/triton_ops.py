@@ -27,6 +27,10 @@ from .quantized import QuantizedStack
 
 class TritonOps(TorchOps):
     name = "triton"
+    # cuBLAS takes a decode step's mid-sized projections (row_products.faster_than_cublas) and chooses its kernel
+    # by row count, so a verify step's positions run sub-step by sub-step until every decode product runs in
+    # row_products' fixed blocks, checked on a GPU (tests/test_gpu_engine.py, the verify step's test).
+    rows_independent = False
 
     def linear(self, x, weight, step):
         if isinstance(weight, QuantizedStack):
@@ -55,9 +59,9 @@ class TritonOps(TorchOps):
     def update_and_norm(self, streams, norm, add=None, inject=None):
         return hyper.norm_rows(streams, norm.weight, norm.eps, norm.group_size, add, inject)
 
-    def mix_streams(self, down, up_weight, normed, hc, gate_logits):
+    def mix_streams(self, down, up_weight, normed, hc, gate_logits, step):
         if not hyper.mix_fits(hc, down.shape[-1]):
-            return super().mix_streams(down, up_weight, normed, hc, gate_logits)
+            return super().mix_streams(down, up_weight, normed, hc, gate_logits, step)
         return hyper.mix_streams(down, up_weight, normed, hc, gate_logits)
 
     def route(self, logits, top_k, normalize, step):

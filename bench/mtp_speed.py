@@ -1,0 +1,207 @@
+"""What speculative decoding with the MTP head costs and gives on one device (issue 20, item 5).
+
+    python bench/mtp_speed.py (--checkpoint DIR | --preset bench --layers 8) --dtype bfloat16 --device cuda \
+        --out results.json [--slots 1,4] [--drafts 1,2,3,4] [--tokens 64]
+
+Measured, for each slot count:
+1. the verify step against a plain decode step: eager, every slot busy at a short prompt's length, median of
+   --repeats runs, for 1 + k positions per slot (k = each of --drafts), in both of the model's forms: "one by one"
+   (each position a plain step: what the engine runs where the backend's row-wise ops are not independent of the
+   row count, the default on every backend today) and "together" (the positions' row-wise ops in one pass, the form
+   that saves time; its logits are compared bit for bit with the plain steps', `together_exact`, which is what a
+   backend must show before it may verify that way: ops.rows_independent);
+2. plain decoding against an engine drafting 3 tokens a step whose drafts come from an oracle (the tokens plain
+   decoding produced, labelled as such: random weights accept nothing of their own): generated tok/s of each, the
+   accepted drafts, and where the drafting engine's time went (the head's drafting, the verify step, the rest);
+3. tok/s at a mean acceptance length of 2.6 tokens per step (vLLM's figure for 3 drafts on the FP8 model), from
+   the measured times: 2.6 tokens / (the oracle run's drafting time per step + its verify time per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from qwen4exp.checkpoint.random_weights import random_model
+from qwen4exp.engine.engine import Engine
+from qwen4exp.engine.loading import load_model
+from qwen4exp.engine.request import Request
+from qwen4exp.engine.speculative import Drafter
+
+ACCEPTANCE_LENGTH = 2.6
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(run, device: torch.device, repeats: int) -> float:
+    """Median seconds of run() over `repeats` (after one untimed run)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def verify_costs(model, slots: int, drafts: list[int], device: torch.device, repeats: int) -> dict:
+    """Plain step and verify steps of 1 + k positions per slot, one by one and together (section 1)."""
+    prompt = 64
+    states = model.new_state_batch(slots, 1024, device)
+    states.allocate_history(max(drafts))
+    for row in states.rows:
+        model(torch.arange(1, prompt + 1, device=device), row)
+    rope = model.rope_table(states.capacity, device)
+    active = torch.ones(slots, dtype=torch.bool, device=device)
+
+    def rows(substeps: int):
+        tokens = torch.randint(1, 1000, (substeps * slots,), device=device)
+        positions = torch.tensor([prompt + j for j in range(substeps) for _ in range(slots)], device=device)
+        return tokens, positions, active.repeat(substeps)
+
+    plain_tokens, plain_positions, _ = rows(1)
+    out = {"plain_step_ms": 1e3 * _timed(lambda: model.decode_rows(plain_tokens, plain_positions, active, states,
+                                                                     rope), device, repeats)}
+    ops = model.ops
+    for k in drafts:
+        tokens, positions, on = rows(1 + k)
+        entry = {}
+        for form, together in (("one_by_one", False), ("together", True)):
+            type(ops).rows_independent = together
+            try:
+                entry[f"{form}_ms"] = 1e3 * _timed(lambda: model.verify_rows(tokens, positions, on, states, rope,
+                                                                             1 + k), device, repeats)
+            finally:
+                type(ops).rows_independent = False
+        # Exactness of the together form: the same rows from fresh states, against plain steps.
+        check, reference = model.new_state_batch(slots, 1024, device), model.new_state_batch(slots, 1024, device)
+        check.allocate_history(k)
+        for a, b in zip(check.rows, reference.rows):
+            model(torch.arange(1, prompt + 1, device=device), a)
+            model(torch.arange(1, prompt + 1, device=device), b)
+        type(ops).rows_independent = True
+        try:
+            together, _ = model.verify_rows(tokens, positions, on, check, rope, 1 + k)
+        finally:
+            type(ops).rows_independent = False
+        plain = torch.cat([model.decode_rows(tokens[j * slots:(j + 1) * slots], positions[j * slots:(j + 1) * slots],
+                                             active, reference, rope) for j in range(1 + k)])
+        entry["together_exact"] = bool(torch.equal(together, plain))
+        entry["together_over_plain"] = round(entry["together_ms"] / out["plain_step_ms"], 3)
+        out[f"k{k}"] = entry
+    return out
+
+
+def oracle_run(model, slots: int, tokens: int, device: torch.device, context: int) -> dict:
+    """Plain decoding, then 3 drafts a step from an oracle (section 2)."""
+    prompts = [[(7 * i + j) % 900 + 1 for j in range(32 + 8 * i)] for i in range(slots)]
+
+    timing = {"draft": 0.0, "verify": 0.0}
+
+    def run(**kw) -> tuple[list[Request], float, Engine, int]:
+        """The requests, the seconds and decode steps after every prompt is done, the engine."""
+        engine = Engine(model, slots=slots, context=context, chunk=256, cuda_graphs=device.type == "cuda", **kw)
+        warm = engine.submit(Request(prompt_ids=prompts[0], max_tokens=8))
+        engine.run_until_idle()
+        assert warm.error is None
+        requests = [engine.submit(Request(prompt_ids=p, max_tokens=tokens)) for p in prompts]
+        while any(r.first_token_at is None for r in requests):     # prompts first: time decoding only
+            engine.step()
+        _sync(device)
+        timing.update(draft=0.0, verify=0.0)
+        steps, started = engine.counters.decode_steps, time.perf_counter()
+        engine.run_until_idle()
+        _sync(device)
+        return requests, time.perf_counter() - started, engine, engine.counters.decode_steps - steps
+
+    plain, plain_s, _, plain_steps = run()
+    answers = {tuple(r.prompt_ids): r.output_ids for r in plain}
+    real_draft, real_verify = Drafter.draft, Drafter.verify
+
+    def oracle_draft(self, decoding):
+        _sync(device)
+        started = time.perf_counter()
+        drafts = real_draft(self, decoding)        # the head runs as it would; its proposals are replaced
+        for slot in decoding:
+            answer, done = answers[tuple(slot.request.prompt_ids)], len(slot.request.output_ids)
+            drafts[slot.index] = answer[done:done + len(drafts[slot.index])]
+        _sync(device)
+        timing["draft"] += time.perf_counter() - started
+        return drafts
+
+    def timed_verify(self, decoding, drafts):
+        _sync(device)
+        started = time.perf_counter()
+        out = real_verify(self, decoding, drafts)
+        _sync(device)
+        timing["verify"] += time.perf_counter() - started
+        return out
+
+    Drafter.draft, Drafter.verify = oracle_draft, timed_verify
+    try:
+        drafted, drafted_s, engine, steps = run(mtp=3, mtp_adaptive=False)
+    finally:
+        Drafter.draft, Drafter.verify = real_draft, real_verify
+    assert [r.output_ids for r in drafted] == [r.output_ids for r in plain], "drafting changed an answer"
+    generated = sum(len(r.output_ids) - 1 for r in plain)
+    per_step = (timing["draft"] + timing["verify"]) / max(steps, 1)
+    return {"generated": generated, "plain_tok_s": round(generated / plain_s, 1),
+            "oracle_tok_s": round(generated / drafted_s, 1), "oracle_speedup": round(plain_s / drafted_s, 3),
+            "accepted": engine.drafter.counters.accepted, "drafted": engine.drafter.counters.drafted,
+            "verify_steps": steps, "plain_steps": plain_steps,
+            "draft_ms_per_step": round(1e3 * timing["draft"] / max(steps, 1), 3),
+            "verify_ms_per_step": round(1e3 * timing["verify"] / max(steps, 1), 3),
+            "other_ms_per_step": round(1e3 * (drafted_s - timing["draft"] - timing["verify"]) / max(steps, 1), 3),
+            f"tok_s_at_acceptance_length_{ACCEPTANCE_LENGTH}": round(slots * ACCEPTANCE_LENGTH / per_step, 1),
+            "plain_ms_per_step": round(1e3 * plain_s / max(plain_steps, 1), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default=None, help="a checkpoint with an MTP head (else random weights)")
+    parser.add_argument("--preset", default="bench")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--slots", default="1,4")
+    parser.add_argument("--drafts", default="1,2,3,4")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    started = time.perf_counter()
+    if args.checkpoint:
+        model = load_model(args.checkpoint, dtype=args.dtype, device=device, progress=False)
+    else:
+        model = random_model(args.preset, layers=args.layers, dtype=args.dtype, device=device)
+    if model.mtp is None:
+        raise SystemExit("error: the model has no MTP head")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip() or None
+    result = {"date": datetime.date.today().isoformat(), "commit": commit, "device": str(device),
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "model": args.checkpoint or f"random {args.preset}, {args.layers} layers", "dtype": args.dtype,
+              "load_s": round(time.perf_counter() - started, 1), "slots": {}}
+    drafts = [int(k) for k in args.drafts.split(",")]
+    for slots in (int(n) for n in args.slots.split(",")):
+        result["slots"][slots] = {"verify": verify_costs(model, slots, drafts, device, args.repeats),
+                                  "oracle": oracle_run(model, slots, args.tokens, device, 1024)}
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Speculative decoding with the model's MTP head: drafts, one verify step, the tokens plain decoding would give.
+
+An engine step with drafting, for every decoding slot at once:
+1. draft: the MTP head runs over each slot's positions whose main-model streams came since its last draft (the
+   positions the last step kept, or a prompt's last one), each with the token after it: that writes the head's
+   attention cache there from true inputs, and the last row's logits give draft 1. Drafts 2..k chain the head on
+   its own streams and the draft before (their cache positions are rewritten from true inputs once verified).
+2. verify: the main model runs the slot's next token and its k drafts in one verify step (model/verify.py), which
+   gives each position the logits a plain decode step gives it there.
+3. accept (engine.py): each slot's positions are sampled in order by its own sampler, which holds the history and
+   random state plain decoding would have there; a draft is accepted when it equals the sample before it. The
+   first mismatch ends the slot's tokens for the step, and the carried state is committed to the last position
+   kept (StateBatch.commit). So the output is plain decoding's, bit for bit, greedy or seeded.
+
+Drafts only cost time, so how many a slot gets is a matter of speed: with `adaptive`, each slot drafts as far as
+its recent acceptance says a draft is still likely to be taken (DraftLength).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .model.causal_lm import Qwen4ExpForCausalLM
+from .slots import Slot, SlotPool
+
+
+@dataclass
+class DraftLength:
+    """How many tokens a slot drafts: as many as its acceptance estimate p gives a chance of at least `useful` of
+    all being taken (p ** k >= useful), up to `most`; a slot at 0 drafts one every `probe_every` steps, so that its
+    estimate can recover. Not adaptive: always `most`."""
+    most: int
+    adaptive: bool = True
+    useful: float = 0.3
+    initial: float = 0.6
+    weight: float = 0.1                # of one tested draft in the running estimate
+    probe_every: int = 16
+
+    def choose(self, acceptance: float, steps_without: int) -> int:
+        if not self.adaptive:
+            return self.most
+        k = 0
+        while k < self.most and acceptance ** (k + 1) >= self.useful:
+            k += 1
+        return 1 if k == 0 and steps_without >= self.probe_every else k
+
+    def update(self, acceptance: float, drafted: int, accepted: int) -> float:
+        """The estimate after a step that drafted `drafted` and accepted the first `accepted` of them: each draft
+        tested (up to the first rejection) counts once."""
+        for taken in [True] * accepted + [False] * (accepted < drafted):
+            acceptance += self.weight * (float(taken) - acceptance)
+        return acceptance
+
+
+@dataclass
+class _SlotDrafting:
+    acceptance: float
+    steps_without: int = 0
+    # The main streams [m, hc*H] of the slot's positions length-m..length-1 the head has not seen, and the
+    # tokens after all but the last (the last one's is the slot's next token).
+    streams: torch.Tensor | None = None
+    tokens: list[int] = field(default_factory=list)
+    chunk_end_streams: torch.Tensor | None = None   # the last prompt chunk's last position's, for the next chunk
+
+
+@dataclass
+class DraftCounters:
+    """What drafting did since the engine was made (/metrics)."""
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)    # [i]: steps whose draft i+1 was accepted
+
+
+class Drafter:
+    def __init__(self, model: Qwen4ExpForCausalLM, pool: SlotPool, rope: tuple[torch.Tensor, torch.Tensor],
+                 most: int, adaptive: bool = True):
+        if model.mtp is None:
+            raise ValueError("mtp: this checkpoint has no MTP head (mtp_num_hidden_layers = 0; a GGUF converted by "
+                             "llama.cpp drops it): set mtp = 0")
+        self.model, self.pool, self.rope = model, pool, rope
+        self.length = DraftLength(most, adaptive)
+        self.device = model.lm_head.weight.device
+        self.counters = DraftCounters(accepted_at=[0] * most)
+        pool.states.allocate_history(most)
+        self._slots = [_SlotDrafting(self.length.initial) for _ in pool.slots]
+
+    @property
+    def most(self) -> int:
+        return self.length.most
+
+    def start(self, slot: Slot) -> None:
+        self._slots[slot.index] = _SlotDrafting(self.length.initial)
+
+    # ---- prompts ----------------------------------------------------------------------------------------------
+    def after_prompt_chunk(self, slot: Slot, ids: torch.Tensor, streams: torch.Tensor, begin: int) -> None:
+        """A prompt chunk (ids at begin.., its streams) ran: the head's cache takes its positions but the last,
+        from the one before the chunk when that is known; the last waits for the token after it."""
+        drafting = self._slots[slot.index]
+        before = drafting.chunk_end_streams if begin > 0 else None
+        if before is not None:
+            head_streams, head_ids, start = torch.cat((before, streams[:-1])), ids, begin - 1
+        else:
+            head_streams, head_ids, start = streams[:-1], ids[1:], begin
+        if head_ids.numel():
+            self.model.draft_chunk(head_streams, head_ids, slot.state, start)
+        last = streams[-1:].clone()           # not a view: the chunk's streams are freed
+        drafting.chunk_end_streams = drafting.streams = last
+        drafting.tokens = []
+
+    # ---- decode -----------------------------------------------------------------------------------------------
+    def _room(self, slot: Slot) -> int:
+        """The most drafts the slot can take: its request's tokens left after the next, and context room for its
+        idle rows' writes past them."""
+        request = slot.request
+        left = request.max_tokens - len(request.output_ids) - 1
+        return max(0, min(left, slot.state.capacity - 2 - slot.state.length))
+
+    def draft(self, decoding: list[Slot]) -> dict[int, list[int]]:
+        """Each decoding slot's drafts (index -> tokens, possibly none)."""
+        count = len(self.pool.slots)
+        wanted = {}
+        for slot in decoding:
+            drafting = self._slots[slot.index]
+            k = 0 if drafting.streams is None else min(self._room(slot),
+                                                       self.length.choose(drafting.acceptance, drafting.steps_without))
+            wanted[slot.index] = k
+            drafting.steps_without = 0 if k else drafting.steps_without + 1
+        seeing = [s for s in decoding if self._slots[s.index].streams is not None]
+        drafts: dict[int, list[int]] = {s.index: [] for s in decoding}
+        if not seeing:
+            return drafts
+        # The head over every slot's unseen positions (rows position-major, as a verify step's).
+        rows = max(self._slots[s.index].streams.shape[0] for s in seeing)
+        width = self._slots[seeing[0].index].streams.shape[1]
+        streams = torch.zeros(rows, count, width, dtype=self._slots[seeing[0].index].streams.dtype,
+                              device=self.device)
+        tokens = [[0] * count for _ in range(rows)]
+        positions = [[s.state.length for s in self.pool.slots] for _ in range(rows)]
+        active = [[False] * count for _ in range(rows)]
+        last_row = {}
+        for slot in seeing:
+            drafting, i = self._slots[slot.index], slot.index
+            seen = drafting.streams.shape[0]
+            last_row[i] = (seen - 1) * count + i
+            streams[:seen, i] = drafting.streams
+            for j, token in enumerate(drafting.tokens + [slot.next_token]):
+                tokens[j][i], positions[j][i], active[j][i] = token, slot.state.length - seen + j, True
+            drafting.streams, drafting.tokens = None, []
+        any_drafts = any(wanted.values())
+        logits, head_streams = self.model.draft_rows(
+            streams.flatten(0, 1), *self._device_rows(tokens, positions, active), self.pool.states, self.rope,
+            substeps=rows, logits=any_drafts)
+        if not any_drafts:
+            return drafts
+        carry = torch.zeros(count, width, dtype=streams.dtype, device=self.device)
+        best = logits.argmax(-1).tolist()
+        for index, row in last_row.items():
+            if wanted[index]:
+                drafts[index].append(best[row])
+                carry[index] = head_streams[row]
+        # Drafts 2..k: the head on its own streams, one position further each time.
+        for depth in range(2, max(wanted.values()) + 1):
+            going = [s for s in seeing if wanted[s.index] >= depth]
+            tokens = [drafts[s.index][-1] if s in going else 0 for s in self.pool.slots]
+            positions = [s.state.length + depth - 2 for s in self.pool.slots]
+            on = [s in going for s in self.pool.slots]
+            logits, carry = self.model.draft_rows(carry, *self._device_rows([tokens], [positions], [on]),
+                                                  self.pool.states, self.rope)
+            best = logits.argmax(-1).tolist()
+            for slot in going:
+                drafts[slot.index].append(best[slot.index])
+        return drafts
+
+    def _device_rows(self, tokens, positions, active) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.tensor(tokens, dtype=torch.long, device=self.device).flatten(),
+                torch.tensor(positions, dtype=torch.long, device=self.device).flatten(),
+                torch.tensor(active, dtype=torch.bool, device=self.device).flatten())
+
+    def verify(self, decoding: list[Slot], drafts: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify step over each decoding slot's next token and drafts -> (logits [S, N, V], streams
+        [S, N, hc*H]), S = 1 + the most drafts. Rows past a slot's drafts are idle; their position-indexed writes
+        land just past its last draft (which `_room` keeps inside the context); other slots' at their length."""
+        count = len(self.pool.slots)
+        substeps = 1 + max((len(d) for d in drafts.values()), default=0)
+        tokens = [[0] * count for _ in range(substeps)]
+        positions = [[s.state.length for s in self.pool.slots] for _ in range(substeps)]
+        active = [[False] * count for _ in range(substeps)]
+        for slot in decoding:
+            fed = [slot.next_token] + drafts[slot.index]
+            length, i = slot.state.length, slot.index
+            for j in range(substeps):
+                if j < len(fed):
+                    tokens[j][i], positions[j][i], active[j][i] = fed[j], length + j, True
+                else:
+                    positions[j][i] = length + len(fed)
+        for slot in decoding:
+            slot.state.check_room(1 + len(drafts[slot.index]))
+        logits, streams = self.model.verify_rows(*self._device_rows(tokens, positions, active), self.pool.states,
+                                                 self.rope, substeps)
+        self.counters.verify_steps += 1
+        return logits.view(substeps, count, -1), streams.view(substeps, count, -1)
+
+    def commit(self, kept: dict[int, int], streams: torch.Tensor, drafts: dict[int, list[int]]) -> None:
+        """After the tokens are taken: slot index -> how many of its verified positions it keeps (1 + accepted
+        drafts; finished requests are left out). The carried state goes back to the last kept position, and
+        those positions wait for the head."""
+        substeps = streams.shape[0]
+        last = [substeps - 1] * len(self.pool.slots)
+        for index, count in kept.items():
+            last[index] = count - 1
+        self.pool.states.commit(torch.tensor(last, device=self.device), substeps)
+        for index, count in kept.items():
+            drafting, tried = self._slots[index], len(drafts[index])
+            drafting.streams, drafting.tokens = streams[:count, index], drafts[index][:count - 1]
+            if tried:
+                drafting.acceptance = self.length.update(drafting.acceptance, tried, count - 1)
+
+    def count(self, drafted: int, accepted: int) -> None:
+        """A slot's share of a step, finished or not (/metrics)."""
+        self.counters.drafted += drafted
+        self.counters.accepted += accepted
+        for i in range(accepted):
+            self.counters.accepted_at[i] += 1

@@ -1,0 +1,227 @@
+"""Speculative decoding with the MTP head (engine/speculative.py, model/verify.py) on the CPU: a verify step is plain
+decode steps, and an engine that drafts gives every request the tokens, and the logits rows, of one that does not."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwen4exp.checkpoint.random_weights import random_model
+from qwen4exp.engine.engine import Engine
+from qwen4exp.engine.engine_config import MAX_DRAFTS, EngineConfig, resolve_mtp
+from qwen4exp.engine.loading import load_model
+from qwen4exp.engine.prefix_cache import PrefixCache
+from qwen4exp.engine.request import FinishReason, Request
+from qwen4exp.engine.sampling import SamplingParams
+from qwen4exp.engine.snapshot import SnapshotBackend
+from qwen4exp.engine.speculative import DraftLength, Drafter
+from qwen4exp.model_dir import EMBEDDED_MODEL
+from qwen4exp.tokenizer import Tokenizer
+from logits_record import assert_same_logits, record_logits
+from staggered import run_staggered
+
+CONTEXT, CHUNK = 512, 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("tiny", dtype=torch.float32, device="cpu", seed=3)
+
+
+def _prefilled(model, lengths: list[int], capacity: int = 256):
+    states = model.new_state_batch(len(lengths), capacity)
+    generator = torch.Generator().manual_seed(1)
+    for row, length in zip(states.rows, lengths):
+        model(torch.randint(0, model.config.vocab_size, (length,), generator=generator), row)
+    return states
+
+
+@pytest.mark.parametrize("lengths, active", [([37], [True]), ([37, 70, 5], [True, True, False])],
+                         ids=["one-slot", "three-slots-one-idle"])
+def test_a_verify_step_is_plain_decode_steps_bit_for_bit(model, lengths, active):
+    """Four positions per row in one verify step (sparse QSA past 35 tokens, a block completed inside the step, an
+    idle row): each position's logits are the plain decode step's there, and the committed state of each row is
+    the one plain decoding leaves after the positions it keeps."""
+    substeps, count = 4, len(lengths)
+    plain, verified = _prefilled(model, lengths), _prefilled(model, lengths)
+    verified.allocate_history(substeps - 1)
+    rope = model.rope_table(plain.capacity, "cpu")
+    tokens = torch.randint(0, model.config.vocab_size, (substeps, count), generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor([[length + j for length in lengths] for j in range(substeps)])
+    on = torch.tensor(active)
+    logits, _ = model.verify_rows(tokens.flatten(), positions.flatten(), on.repeat(substeps), verified, rope, substeps)
+    keep = [1, 3, 3][:count]          # row 0 keeps two positions, the others all four (an idle row keeps its own)
+    for j in range(substeps):
+        want = model.decode_rows(tokens[j], positions[j], on, plain, rope)
+        for i in range(count):
+            if active[i]:
+                assert torch.equal(logits[j * count + i], want[i]), f"position {j} of row {i}"
+        if j == keep[0]:
+            after_keep = [t.clone() for t in plain.rows[0].carried()]
+    verified.commit(torch.tensor(keep), substeps)
+    assert all(torch.equal(a, b) for a, b in zip(verified.rows[0].carried(), after_keep))
+    for i in range(1, count):
+        assert all(torch.equal(a, b) for a, b in zip(verified.rows[i].carried(), plain.rows[i].carried()))
+    if os.environ.get("QWEN4EXP_EXPECT_ROWS_TOGETHER") == "1":
+        assert model.ops.rows_independent        # this run took the batched path (no SIMD)
+
+
+def test_the_batched_verify_step_without_simd():
+    """With ATen's SIMD off (ATEN_CPU_CAPABILITY=default) the torch ops give an element the same bits wherever it
+    sits, so the verify step runs its positions' row-wise ops together (the GPU's path): still plain decode steps."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "QWEN4EXP_EXPECT_ROWS_TOGETHER": "1"}
+    test = f"{Path(__file__)}::test_a_verify_step_is_plain_decode_steps_bit_for_bit"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env,
+                         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+def _spec(rng: random.Random) -> dict:
+    length = rng.choice([rng.randint(1, 40), rng.randint(60, 300)])   # both sides of the QSA dense limit
+    sampled = rng.random() < 0.5
+    return {"prompt_ids": [rng.randrange(1000) for _ in range(length)], "max_tokens": rng.randint(1, 24),
+            "sampling": SamplingParams(temperature=0.9, top_p=0.9, seed=rng.randrange(10**6)) if sampled
+            else SamplingParams()}
+
+
+def _oracle(monkeypatch, answers: dict[tuple, list[int]], rng: random.Random, wrong: float) -> None:
+    """Drafts from plain decoding's answers (the head still runs; its proposals are replaced), each one wrong
+    with probability `wrong`, so that steps accept some drafts and reject the rest at every depth."""
+    real = Drafter.draft
+
+    def draft(self, decoding):
+        drafts = real(self, decoding)
+        for slot in decoding:
+            answer, done = answers[tuple(slot.request.prompt_ids)], len(slot.request.output_ids)
+            drafts[slot.index] = [answer[done + i] if done + i < len(answer) and rng.random() >= wrong
+                                  else rng.randrange(1000) for i in range(len(drafts[slot.index]))]
+        return drafts
+
+    monkeypatch.setattr(Drafter, "draft", draft)
+
+
+@pytest.mark.parametrize("drafts", [1, 3])
+@pytest.mark.parametrize("slots", [1, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mtp_on_equals_off_bit_for_bit(model, monkeypatch, seed, slots, drafts):
+    """Requests arriving at random steps, greedy and seeded, a stop token hit inside a step's accepted drafts:
+    with drafting (an oracle's drafts, partly wrong: random weights accept nothing of their own) every request
+    gets the tokens and every logits row it gets without, bit for bit."""
+    record_logits(monkeypatch)
+    rng = random.Random(seed)
+    specs = [_spec(rng) for _ in range(6)]
+    starts = sorted(rng.randint(0, 20) for _ in specs)
+    plain = run_staggered(Engine(model, slots=slots, context=CONTEXT, chunk=CHUNK), specs, starts)
+    # A stop token that the longest answer reaches mid-way: it ends that request inside a verify step.
+    longest = max(range(len(specs)), key=lambda i: len(plain[i].output_ids))
+    specs[longest]["stop_token_ids"] = (plain[longest].output_ids[len(plain[longest].output_ids) // 2],)
+    plain = run_staggered(Engine(model, slots=slots, context=CONTEXT, chunk=CHUNK), specs, starts)
+    _oracle(monkeypatch, {tuple(s["prompt_ids"]): r.output_ids for s, r in zip(specs, plain)}, rng, wrong=0.3)
+    engine = Engine(model, slots=slots, context=CONTEXT, chunk=CHUNK, mtp=drafts, mtp_adaptive=False)
+    drafted = run_staggered(engine, specs, starts)
+    assert drafted[longest].finish_reason is FinishReason.STOP
+    for spec, got, want in zip(specs, drafted, plain):
+        assert got.output_ids == want.output_ids and got.finish_reason == want.finish_reason
+        assert_same_logits(got, want, f"{len(spec['prompt_ids'])}-token prompt")
+    counters = engine.drafter.counters
+    assert 0 < counters.accepted < counters.drafted
+    assert counters.drafted == sum(r.mtp_drafted for r in drafted)
+    assert counters.accepted == sum(r.mtp_accepted for r in drafted)
+    assert sum(len(r.output_ids) for r in drafted) > engine.counters.decode_steps   # steps gave several tokens
+
+
+def test_mtp_keeps_warm_equal_to_cold_and_log_probabilities(model, monkeypatch):
+    """With the prefix cache, a resent prompt (restored, its head cache not) and a continued one give the
+    answers and log-probabilities of plain decoding."""
+    prompt = [random.Random(5).randrange(1000) for _ in range(100)]
+    ask = dict(max_tokens=12, logprobs=3, sampling=SamplingParams(temperature=0.7, seed=9))
+
+    def run(**kw):
+        engine = Engine(model, slots=2, context=CONTEXT, chunk=CHUNK,
+                        prefix_cache=PrefixCache(CHUNK, 64 << 20, SnapshotBackend.for_device(torch.device("cpu")),
+                                                 model.config.indexer_compress_ratio), **kw)
+        out = []
+        for ids in (prompt, prompt, prompt + [7, 8, 9]):
+            request = engine.submit(Request(prompt_ids=ids, **ask))
+            engine.run_until_idle()
+            out.append(request)
+        return out
+
+    plain = run()
+    _oracle(monkeypatch, {tuple(r.prompt_ids): r.output_ids for r in plain}, random.Random(1), wrong=0.2)
+    drafted = run(mtp=2, mtp_adaptive=False)
+    assert drafted[1].cached_tokens > 0
+    for got, want in zip(drafted, plain):
+        assert got.output_ids == want.output_ids and got.output_logprobs == want.output_logprobs
+        assert got.mtp_accepted > 0
+
+
+def test_the_embedded_models_head_drafts_and_the_answers_do_not_change():
+    """The trained head's own drafts (no oracle): greedy and seeded, 1 and 4 slots, adaptive and fixed depth, the
+    answers of plain decoding; more than a third of the first drafts are taken (52% when measured)."""
+    model = load_model(str(EMBEDDED_MODEL), dtype="float32", device="cpu", progress=False)
+    tokenizer = Tokenizer.from_path(EMBEDDED_MODEL)
+    prompts = ["In the beginning God created", "And the LORD said unto Moses,", "The LORD is my shepherd;"]
+
+    def run(slots: int, **kw):
+        engine = Engine(model, slots=slots, context=256, chunk=64, **kw)
+        requests = [engine.submit(Request(prompt_ids=tokenizer.encode(p), max_tokens=40, sampling=SamplingParams(
+            temperature=0.8, seed=i) if i % 2 else SamplingParams())) for i, p in enumerate(prompts)]
+        engine.run_until_idle()
+        return engine, requests
+
+    for slots in (1, 4):
+        _, plain = run(slots)
+        for drafts, adaptive in ((1, False), (3, True)):
+            engine, drafted = run(slots, mtp=drafts, mtp_adaptive=adaptive)
+            assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+            counters = engine.drafter.counters
+            assert counters.accepted_at[0] * 3 > counters.verify_steps, counters
+
+
+def test_draft_length_follows_acceptance():
+    length = DraftLength(most=3)
+    assert length.choose(0.9, 0) == 3 and length.choose(0.6, 0) == 2 and length.choose(0.35, 0) == 1
+    assert length.choose(0.2, 0) == 0 and length.choose(0.2, length.probe_every) == 1    # a probe now and then
+    assert DraftLength(most=3, adaptive=False).choose(0.0, 0) == 3
+    low = 0.6
+    for _ in range(10):
+        low = length.update(low, drafted=2, accepted=0)
+    assert length.choose(low, 0) == 0
+    high = low
+    for _ in range(30):
+        high = length.update(high, drafted=2, accepted=2)
+    assert length.choose(high, 0) == 3
+
+
+def test_mtp_settings_are_checked_where_they_are_given(tmp_path):
+    from qwen4exp.config import ConfigError, load_settings
+    from qwen4exp.config.schema import MAX_DRAFTS as SCHEMA_MAX
+    assert SCHEMA_MAX == MAX_DRAFTS
+    profile = tmp_path / "p.toml"
+    profile.write_text("mtp = 2\n")
+    assert load_settings(profile).mtp == 2 and EngineConfig(mtp=2).mtp == 2
+    assert load_settings(None).mtp == "auto"
+    profile.write_text("mtp = 8\n")
+    with pytest.raises(ConfigError, match=r"mtp.*0 to 7, got 8"):
+        load_settings(profile)
+    with pytest.raises(ValueError, match="mtp"):
+        EngineConfig(mtp=-1)
+
+
+def test_an_mtp_engine_needs_a_head_and_auto_drafts_only_where_it_pays(model):
+    # On a CPU with SIMD, positions verify one by one: drafting costs more than it saves, so "auto" is off.
+    assert resolve_mtp("auto", model) == 0
+    assert Engine(model, slots=1, context=64, chunk=CHUNK, mtp="auto").drafter is None
+    headless = random_model("tiny", dtype=torch.float32, device="cpu", seed=3)
+    headless.mtp = None
+    with pytest.raises(ValueError, match="no MTP head"):
+        Engine(headless, slots=1, context=64, chunk=CHUNK, mtp=1)
+    with pytest.raises(ValueError, match="from 0 to 7"):
+        resolve_mtp(9, model)
