@@ -228,3 +228,21 @@ def test_a_profile_device_without_memory_is_named(tmp_path):
 def test_a_gguf_with_a_quant_flag_is_refused(tmp_path):
     with pytest.raises(EstimateError, match="--quant Q4_K: a GGUF's types come from its header"):
         model_facts(str(tmp_path / "x.gguf"), "Q4_K", "bfloat16")
+
+
+def test_drafting_slots_keep_their_states_in_the_estimate_as_in_the_fit(tiny_checkpoint):
+    """mtp = 2: each slot's fixed bytes grow by two carried states (as fit.fit_context counts them), and the
+    context does not grow; "auto" drafts nothing on a CPU."""
+    from qwen4exp.engine.fit import carried_bytes
+    from qwen4exp.engine.loading import load_model
+
+    facts = model_facts(str(tiny_checkpoint), None, "float32")
+    assert facts.carried == carried_bytes(load_model(str(tiny_checkpoint), dtype="float32", device="cpu",
+                                                     progress=False)) > 0
+    target = DeviceSize("target", "cpu", "cpu", 256 * MiB)
+    plain = estimate_plan(facts, target, chunk=64, mtp="auto")
+    drafting = estimate_plan(facts, target, chunk=64, mtp=2)
+    assert plain.drafts == 0 and drafting.drafts == 2 and any("2 draft positions" in n for n in drafting.notes)
+    assert drafting.fit.context <= plain.fit.context
+    with pytest.raises(EstimateError, match="from 0 to 7, got 9"):
+        estimate_plan(facts, target, chunk=64, mtp=9)

@@ -239,7 +239,8 @@ def _estimate_inputs(args: argparse.Namespace) -> dict[str, Any]:
                 splits=splits, slots=args.slots if args.slots is not None else (settings.slots if settings else 4),
                 max_ctx=_max_ctx(args.max_ctx) if args.max_ctx is not None else (settings.max_ctx if settings
                                                                                   else "auto"),
-                chunk=chunk, ple=args.ple or (settings.ple if settings else "auto"), snapshots=snapshots)
+                chunk=chunk, ple=args.ple or (settings.ple if settings else "auto"), snapshots=snapshots,
+                mtp=settings.mtp if settings else "auto")
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -251,7 +252,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         facts = model_facts(inputs["model"], args.quant, inputs["dtype"])
         est = estimate_plan(facts, inputs["target"], inputs["splits"], slots=inputs["slots"], chunk=inputs["chunk"],
                             ple=inputs["ple"], headroom=args.headroom, snapshots_on_device=inputs["snapshots"],
-                            max_ctx=inputs["max_ctx"])
+                            max_ctx=inputs["max_ctx"], mtp=inputs["mtp"])
     except (EstimateError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
     print(json.dumps(estimate_json(est)) if args.json else estimate_text(est))
@@ -276,7 +277,7 @@ def estimate_json(est) -> dict[str, Any]:
             "devices": [{"role": d.role, "name": d.name, "kind": d.kind, "total": d.total, "limit": d.limit,
                          "reserved": d.reserved, "capacity": d.capacity} for d in (est.target, *est.splits)],
             "components": {"weights": f.weights, "ple_table": f.ple_table, "slot_bytes_per_position": f.per_position,
-                           "slot_fixed": f.fixed, "dense_expert_stacks": f.dense_stacks,
+                           "slot_fixed": f.fixed + est.drafts * f.carried, "dense_expert_stacks": f.dense_stacks,
                            "workspace_terms_at_answer": chunk_workspace(f, est.backend, at, est.chunk_floor)
                            if at is not None else None},
             "context": fit.context, "chunk": fit.chunk, "ple": fit.ple, "error": fit.error,

@@ -1,8 +1,8 @@
 """A qwen4_exp GGUF (one file or a `-00001-of-0000N.gguf` set) in llama.cpp's layout: its metadata, config,
-tensors and tokenizer, read with the `gguf` package (no torch here: the daemon reads the tokenizer too).
+tensors and tokenizer (no torch here: the daemon reads the tokenizer too).
 
-The headers are read when it is opened; a tensor's data only when asked for, dequantized by
-`gguf.quants.dequantize` (the reference for every type) to float32. gguf_loader.py puts the tensors into a model.
+The headers are read when it is opened (gguf_header.py); a tensor's data only when asked for, dequantized by the
+`gguf` package's `gguf.quants.dequantize` (the reference for every type) to float32. gguf_loader.py puts the tensors into a model.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CheckpointError
+from .gguf_header import TensorInfo, read_gguf
 from .gguf_metadata import config_from_metadata
 
 log = logging.getLogger("qwen4exp.checkpoint")
@@ -50,20 +51,18 @@ class GGUFCheckpoint:
     """The metadata and tensors of a GGUF (all its shards), headers only until a tensor is asked for."""
 
     def __init__(self, path: str | Path):
-        from gguf import GGUFReader
-
         self.path = Path(path)
         self.shards = shard_paths(path)
-        readers = []
+        headers = []
         for shard in self.shards:
             try:
-                readers.append(GGUFReader(str(shard)))
+                headers.append(read_gguf(shard))
             except (ValueError, OSError) as err:
                 raise CheckpointError(f"{shard}: not a readable GGUF file ({err})") from None
-        self._fields = readers[0].fields
-        self.tensors = {}
-        for shard, reader in zip(self.shards, readers):
-            for tensor in reader.tensors:
+        self._fields = headers[0][0]
+        self.tensors: dict[str, TensorInfo] = {}
+        for shard, (_, tensors) in zip(self.shards, headers):
+            for tensor in tensors:
                 if tensor.name in self.tensors:
                     raise CheckpointError(f"{shard}: tensor {tensor.name} is also in another shard")
                 self.tensors[tensor.name] = tensor
@@ -74,11 +73,8 @@ class GGUFCheckpoint:
                                       f"split.tensors.count says {expected}")
 
     def value(self, key: str):
-        """A metadata value (KeyError when absent)."""
-        field = self._fields.get(key)
-        if field is None:
-            raise KeyError(key)
-        return field.contents()
+        """A metadata value: a number, a string, or a list of them (KeyError when absent)."""
+        return self._fields[key]
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         """A tensor's shape in torch's axis order (GGUF lists the fastest axis first)."""

@@ -83,6 +83,7 @@ class ModelFacts:
     layers: tuple[int, ...]           # bytes of each decoder layer (the PLE table in its layer)
     per_position: int                 # one slot's state
     fixed: int
+    carried: int                      # one slot's carried state, kept once per draft position with mtp
     dense_stacks: int                 # one layer's expert stacks dequantized whole (0: the stacks are dense)
     trained: int
 
@@ -168,11 +169,12 @@ def _facts_from_shapes(cfg, stacks: dict, dtype: str, label: str, quant: str) ->
     # fit_measure.measure_state's arithmetic: the difference over the probe is per position, the rest fixed.
     per_position = -(-(state(2 * STATE_PROBE) - state(STATE_PROBE)) // STATE_PROBE)
     fixed = max(state(STATE_PROBE) - per_position * STATE_PROBE, 0)
+    carried = sum(t.numel() * t.element_size() for t in SequenceState(cfg, 1, "meta", torch_dtype).carried())
     dense = 0
     for name in ("gate_up_proj", "down_proj"):
         shapes = [shape for key, (_, shape) in stacks.items() if key.endswith(f".experts.{name}")]
         dense += max((math.prod(shape) for shape in shapes), default=0) * torch_dtype.itemsize
-    return ModelFacts(label, cfg, dtype, quant, weights, ple, layers, per_position, fixed, dense,
+    return ModelFacts(label, cfg, dtype, quant, weights, ple, layers, per_position, fixed, carried, dense,
                       cfg.max_position_embeddings)
 
 
@@ -278,10 +280,26 @@ class Estimate:
     snapshots_on_device: bool
     ple: str                                   # the setting
     fit: Fit                                   # the engine's answer: the target alone
+    drafts: int = 0                            # mtp's drafts per slot and step, as the engine would resolve them
     tried: list[Fit] = field(default_factory=list)
     split: Fit | None = None                   # what a split would hold (not served by the engine yet)
     split_tried: list[Fit] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+
+def _drafts(mtp: int | str, facts: ModelFacts, backend: str, kind: str) -> int:
+    """engine_config.resolve_mtp for a model that is not built: "auto" drafts where the backend verifies a step's
+    positions together off a CPU."""
+    from .engine_config import AUTO_DRAFTS, MAX_DRAFTS
+
+    if mtp != "auto":
+        if isinstance(mtp, bool) or not isinstance(mtp, int) or not 0 <= mtp <= MAX_DRAFTS:
+            raise EstimateError(f"mtp must be \"auto\" or a number of drafts from 0 to {MAX_DRAFTS}, got {mtp!r}")
+        return mtp
+    if not facts.cfg.mtp_num_hidden_layers or kind == "cpu" or backend != "triton":
+        return 0
+    from .model.triton_ops import TritonOps
+    return AUTO_DRAFTS if TritonOps.rows_independent else 0
 
 
 def backend_for(kind: str, dtype: str) -> str:
@@ -293,7 +311,7 @@ def backend_for(kind: str, dtype: str) -> str:
 
 def estimate_plan(facts: ModelFacts, target: DeviceSize, splits: tuple[DeviceSize, ...] = (), *, slots: int = 4,
                   chunk: int, ple: str = "auto", headroom: float = 0.1, snapshots_on_device: bool | None = None,
-                  max_ctx: int | str = "auto", max_chunk: int = 8192) -> Estimate:
+                  max_ctx: int | str = "auto", max_chunk: int = 8192, mtp: int | str = 0) -> Estimate:
     """The plan for `facts` on `target` (and what `splits` would add), decided as the engine decides it: the PLE
     table on the device unless ple = "host", or "auto" on a GPU moves it to host memory when that fits a longer
     context (EngineConfig.resolve_context)."""
@@ -310,7 +328,10 @@ def estimate_plan(facts: ModelFacts, target: DeviceSize, splits: tuple[DeviceSiz
     on_device = target.kind == "cpu" if snapshots_on_device is None else snapshots_on_device
     trained, step, floor = _search_range(facts, max_ctx)
     est = Estimate(facts, backend, target, splits, slots, chunk, floor_chunk(chunk), headroom, on_device, ple,
-                   fit=Fit("none", 0))
+                   fit=Fit("none", 0), drafts=_drafts(mtp, facts, backend, target.kind))
+    if est.drafts:
+        est.notes.append(f"mtp: each slot keeps its carried state for {est.drafts} draft positions "
+                         f"({human_size(est.drafts * facts.carried)} a slot)")
     if floor < est.chunk_floor:
         raise EstimateError(f"the smallest context, {floor}, is shorter than the floor chunk of {est.chunk_floor} "
                             f"rows (--chunk {chunk})")
@@ -394,7 +415,7 @@ def _search(est: Estimate, ple: str, trained: int, step: int, floor: int, max_ch
 
     def planner():
         return budget_planner(target.name, target.capacity, weights=weights, per_position=facts.per_position,
-                              fixed=facts.fixed, samples=fit.samples, slots=est.slots,
+                              fixed=facts.fixed + est.drafts * facts.carried, samples=fit.samples, slots=est.slots,
                               snapshots_on_device=est.snapshots_on_device, headroom=est.headroom, trained=trained,
                               step=step, floor=floor, chunk_floor=est.chunk_floor, max_chunk=max_chunk,
                               others=tuple(others))
