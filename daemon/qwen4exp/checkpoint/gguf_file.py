@@ -2,7 +2,8 @@
 tensors and tokenizer (no torch here: the daemon reads the tokenizer too).
 
 The headers are read when it is opened (gguf_header.py); a tensor's data only when asked for, dequantized by the
-`gguf` package's `gguf.quants.dequantize` (the reference for every type) to float32. gguf_loader.py puts the tensors into a model.
+`gguf` package's `gguf.quants.dequantize` (the reference for every type) to float32. gguf_loader.py puts the tensors
+into a model.
 """
 
 from __future__ import annotations
