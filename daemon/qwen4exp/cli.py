@@ -237,7 +237,8 @@ def cmd_init_checkpoint(args: argparse.Namespace) -> int:
     from .checkpoint.writer import write_random_checkpoint
     out = write_random_checkpoint(Path(args.out), preset=args.preset, layers=args.layers, seed=args.seed,
                                   dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype],
-                                  device=args.device, progress=True)
+                                  device=args.device, progress=True,
+                                  fp8_block=(128, 128) if args.format == "fp8" else None)
     print(out)
     return 0
 
@@ -352,8 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     init.add_argument("--device", default="cpu", help="where to generate the random tensors (cpu or cuda)")
-    init.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
-                      help="the published layout (a directory) or llama.cpp's GGUF (one file, --out *.gguf)")
+    init.add_argument("--format", choices=["safetensors", "fp8", "gguf"], default="safetensors",
+                      help="the published layout (a directory), Qwen's FP8 layout of it (float8 experts, attention "
+                      "projections and PLE table with block scales) or llama.cpp's GGUF (one file, --out *.gguf)")
     init.add_argument("--quant", default="bf16", help="GGUF only: f32, bf16, q8_0 or ud-q4_k_xl (unsloth's mix), "
                       "or one type for every matrix (Q4_K, IQ4_NL, ...); K-quant and IQ4 weights are random blocks")
     init.add_argument("--holes", action="store_true", help="GGUF only: leave the routed experts and the PLE table "

@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from . import layout
+from . import fp8, layout
 from .errors import CheckpointError
 
 logger = logging.getLogger("qwen4exp.checkpoint")
@@ -132,6 +132,7 @@ class _Copy:
     target: str
     index: tuple[Any, ...]
     nbytes: int
+    scale: tuple[Path, str] | None = None      # a float8 weight's block scales (fp8.py)
 
 
 @dataclass
@@ -164,10 +165,37 @@ def _shape_error(file: Path, name: str, expected: tuple[int, ...], got: tuple[in
     return CheckpointError(f"{file}: tensor {name} has shape {list(got)}, the model expects {list(expected)}")
 
 
-def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor]) -> _Plan:
+def _scales(headers: dict, block: tuple[int, int] | None) -> dict[str, tuple[Path, str]]:
+    """{weight name: (file, name of its scales)} of an FP8 checkpoint (the scales leave `headers`); float8 tensors
+    elsewhere are refused."""
+    scales = {}
+    for name in [n for n in headers if fp8.weight_name(n) is not None]:
+        file, _, _ = headers.pop(name)
+        scales[fp8.weight_name(name)] = (file, name)
+    if block is None:
+        floats8 = [name for name, (_, _, dtype) in headers.items() if dtype.startswith("F8")]
+        if floats8 or scales:
+            raise CheckpointError(f"{_some(sorted(floats8 or scales))}: float8 weights or their scales, but the "
+                                  f"config has no quantization_config (quant_method 'fp8')")
+    return scales
+
+
+def _scale_for(name: str, ref: layout.DiskRef, scales: dict, used: set) -> tuple[Path, str] | None:
+    """A float8 weight's scales: its own, or for a PLE shard the table's one global scale."""
+    own = scales.get(name)
+    if own is None and ref.kind == "ple_shard":
+        own = scales.get(name.rsplit(".shard_", 1)[0] + ".weight")
+    if own is not None:
+        used.add(own[1])
+    return own
+
+
+def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple[int, int] | None = None) -> _Plan:
     plan = _Plan()
     has_mtp = any(name.startswith(layout.MTP_PREFIX) for name in targets)
-    for name, (file, shape, dtype) in _headers(files).items():
+    headers = _headers(files)
+    scales, used = _scales(headers, block), set()
+    for name, (file, shape, dtype) in headers.items():
         ref = layout.parse_disk_name(name)
         if ref.kind == "visual":
             plan.report.skipped_visual += 1
@@ -180,8 +208,12 @@ def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor]) -> _Plan:
         if param is None or (ref.kind == "expert" and (param.dim() != 3 or ref.number >= param.shape[0])):
             plan.unexpected.append(f"{name} ({file.name})")
             continue
+        scale = _scale_for(name, ref, scales, used) if dtype.startswith("F8") else None
+        if dtype.startswith("F8") and scale is None:
+            raise CheckpointError(f"{file}: float8 tensor {name} has no {fp8.scale_name(name)} (nor, for a PLE "
+                                  f"shard, one beside its table)")
         if ref.kind == "ple_shard":
-            plan.ple[ref.target][ref.number] = (file, name, shape, nbytes)
+            plan.ple[ref.target][ref.number] = (file, name, shape, nbytes, scale)
             continue
         if ref.kind == "whole":
             index, expected = (), tuple(param.shape)
@@ -191,10 +223,12 @@ def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor]) -> _Plan:
             raise _shape_error(file, name, tuple(expected), shape)
         if (ref.number, ref.proj) in plan.covered[ref.target]:
             raise CheckpointError(f"{file}: tensor {name} fills {ref.target}, which another tensor already fills")
-        plan.copies.append(_Copy(file, name, ref.target, index, nbytes))
+        plan.copies.append(_Copy(file, name, ref.target, index, nbytes, scale))
         plan.covered[ref.target].add((ref.number, ref.proj))
     for target, shards in plan.ple.items():
         _plan_ple(plan, target, shards, tuple(targets[target].shape))
+    plan.unexpected += [f"{scale} ({file.name}: scales no float8 weight)" for file, scale in scales.values()
+                        if scale not in used]
     return plan
 
 
@@ -203,18 +237,18 @@ def _plan_ple(plan: _Plan, target: str, shards: dict, table_shape: tuple[int, ..
     row = 0
     for number in range(max(shards) + 1):
         if number not in shards:
-            file, name, _, _ = shards[min(n for n in shards if n > number)]
+            file, name, *_ = shards[min(n for n in shards if n > number)]
             raise CheckpointError(
                 f"{file}: PLE table {target} has no shard_{number} before {name} "
                 f"(shards found: {sorted(shards)}; they must be numbered 0..n-1)"
             )
-        file, name, shape, nbytes = shards[number]
+        file, name, shape, nbytes, scale = shards[number]
         if tuple(shape[1:]) != table_shape[1:] or row + shape[0] > table_shape[0]:
             raise _shape_error(file, name, (min(shape[0], table_shape[0] - row), *table_shape[1:]), shape)
-        plan.copies.append(_Copy(file, name, target, (slice(row, row + shape[0]),), nbytes))
+        plan.copies.append(_Copy(file, name, target, (slice(row, row + shape[0]),), nbytes, scale))
         row += shape[0]
     if row != table_shape[0]:
-        file, name, _, _ = shards[max(shards)]
+        file, name, *_ = shards[max(shards)]
         raise CheckpointError(
             f"{file}: PLE table {target} shards end at {name} with {row} rows, the model expects {table_shape[0]}"
         )
@@ -236,6 +270,11 @@ def _missing(plan: _Plan, targets: dict[str, torch.Tensor]) -> list[str]:
     return missing
 
 
+def _tensor(file: Path, name: str, device: str) -> torch.Tensor:
+    with safe_open(str(file), framework="pt", device=device) as f:
+        return f.get_tensor(name)
+
+
 @torch.no_grad()
 def load_weights(
     path: str | Path,
@@ -248,13 +287,15 @@ def load_weights(
     """Copy every checkpoint tensor into `module`'s parameters and buffers (runtime names) in place.
 
     Floating tensors are cast to `dtype` as they are read (a parameter the module keeps in another dtype, such as
-    an fp32 A_log, then receives its own dtype); int64 tensors stay int64. `device` is where tensors are staged
+    an fp32 A_log, then receives its own dtype), a float8 weight of an FP8 checkpoint first dequantized by its
+    block scales (fp8.py); int64 tensors stay int64. `device` is where tensors are staged
     after reading (default: cpu). Visual tensors are skipped, and so are mtp.* when the module has no MTP head.
     """
     start = time.perf_counter()
     root = _root(path)
     targets = module.state_dict(keep_vars=True)
-    plan = _plan(checkpoint_files(path), targets)
+    block = fp8.block_size(read_config(path), str(root))
+    plan = _plan(checkpoint_files(path), targets, block)
     if plan.unexpected:
         raise CheckpointError(
             f"{root}: {len(plan.unexpected)} checkpoint tensors match nothing in the model: {_some(plan.unexpected)}"
@@ -278,6 +319,10 @@ def load_weights(
         with safe_open(str(file), framework="pt", device=staging) as f:
             for copy in copies:
                 tensor = f.get_tensor(copy.disk)
+                if copy.scale is not None:       # the PLE table's shards have one global scale
+                    table = layout.parse_disk_name(copy.disk).kind == "ple_shard"
+                    tensor = fp8.dequantize(tensor, _tensor(*copy.scale, staging), None if table else block,
+                                            copy.disk)
                 if tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 param = targets[copy.target]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from . import layout
+from . import fp8, layout
 from .presets import IM_END_OFFSET, preset_config
 from .safetensors_stream import SafetensorsStream
 from .tokenizer_builder import write_tokenizer
@@ -70,22 +70,73 @@ def _draw(spec: layout.TensorSpec, piece: layout.Piece, seed: int, dtype: torch.
     return out.to(dtype)
 
 
+# The weights Qwen's FP8 checkpoint stores in float8 (fp8.py), by their runtime names' ends: the routed experts (the
+# MTP layer's too), the shared expert and the attention projections; the PLE table with one global scale. The rest
+# stays in the checkpoint's dtype, as its modules_to_not_convert lists.
+FP8_WEIGHTS = (".experts.gate_up_proj", ".experts.down_proj", ".shared_expert.gate_proj.weight",
+               ".shared_expert.up_proj.weight", ".shared_expert.down_proj.weight", ".self_attn.q_proj.weight",
+               ".self_attn.k_proj.weight", ".self_attn.v_proj.weight", ".self_attn.o_proj.weight")
+FP8_NOT_CONVERTED = ["linear_attn", "hyper_connection", "indexer", "mlp.gate", "shared_expert_gate", "ple.key_proj",
+                     "ple.value_proj", "mtp.fc_", "lm_head", "embed_tokens"]
+# The PLE table's one scale: the writer's embeddings are N(0, 1), so |x| <= 8 covers every draw.
+PLE_FP8_SCALE = 8.0 / fp8.FLOAT8_MAX
+
+
+def _fp8(spec: layout.TensorSpec) -> str | None:
+    """How an FP8 checkpoint stores this runtime tensor: "blocks", "global" (the PLE table) or None (as is)."""
+    if spec.name.endswith(".ngram_embedding.weight"):
+        return "global"
+    return "blocks" if spec.name.endswith(FP8_WEIGHTS) else None
+
+
 def _plan(text: dict[str, Any]) -> list[tuple[layout.TensorSpec, layout.Piece]]:
     return [(spec, piece) for spec in layout.runtime_specs(text) for piece in layout.disk_pieces(spec, text)]
 
 
-def _pack(plan, dtype: torch.dtype, shard_bytes: int) -> list[list[tuple[layout.TensorSpec, layout.Piece, int]]]:
+def _entries(spec: layout.TensorSpec, piece: layout.Piece, dtype: torch.dtype, fp8_block: tuple[int, int] | None,
+             scale_dtype: torch.dtype) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The on-disk tensors of one piece: itself, and in an FP8 checkpoint its scales."""
+    if spec.init == "const":
+        return {piece.disk: (torch.int64, tuple(piece.shape))}
+    kind = _fp8(spec) if fp8_block is not None else None
+    if kind is None:
+        return {piece.disk: (dtype, tuple(piece.shape))}
+    out = {piece.disk: (fp8.FLOAT8, tuple(piece.shape))}
+    if kind == "blocks":
+        rows, cols = piece.shape
+        out[fp8.scale_name(piece.disk)] = (scale_dtype, (-(-rows // fp8_block[0]), -(-cols // fp8_block[1])))
+    elif piece.disk.endswith(".shard_0.weight"):        # the table's one scale, written once beside its name
+        out[fp8.scale_name(piece.disk.rsplit(".shard_", 1)[0] + ".weight")] = (scale_dtype, (1,))
+    return out
+
+
+def _pack(plan, sizes, shard_bytes: int) -> list[list[tuple[layout.TensorSpec, layout.Piece, int]]]:
     """Greedy packing in plan order: a new shard starts when the next tensor would pass shard_bytes."""
     shards: list[list[tuple[layout.TensorSpec, layout.Piece, int]]] = [[]]
     used = 0
     for spec, piece in plan:
-        size = math.prod(piece.shape) * (8 if spec.init == "const" else dtype.itemsize)
+        size = sizes(spec, piece)
         if shards[-1] and used + size > shard_bytes:
             shards.append([])
             used = 0
         shards[-1].append((spec, piece, size))
         used += size
     return shards
+
+
+def _fp8_parts(spec, piece, seed: int, device: str, block: tuple[int, int], scale_dtype: torch.dtype, parts: dict):
+    """An FP8 piece's tensors in `parts`' order: its float8 values, then its scales (when it has them here)."""
+    drawn = _draw(spec, piece, seed, torch.float32, device)
+    if _fp8(spec) == "global":
+        scale = torch.tensor([PLE_FP8_SCALE], dtype=scale_dtype)
+    else:
+        scale = fp8.quantize(drawn, block)[1].to(scale_dtype)
+    # The values are divided by the scale as stored (a bfloat16 one is rounded), within e4m3's range.
+    per_value = fp8.dequantize(torch.ones(drawn.shape, dtype=fp8.FLOAT8), scale.to(drawn.device),
+                               None if _fp8(spec) == "global" else block)
+    values = (drawn / per_value).clamp(-fp8.FLOAT8_MAX, fp8.FLOAT8_MAX).to(fp8.FLOAT8)
+    tensors = [values.cpu(), scale.cpu()]
+    return zip(parts, tensors[:len(parts)])
 
 
 def generation_config(text: dict[str, Any]) -> dict[str, Any]:
@@ -103,8 +154,12 @@ def write_random_checkpoint(
     device: str | torch.device = "cpu",
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool = True,
+    fp8_block: tuple[int, int] | None = None,
+    scale_dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Write a random-weight checkpoint of `preset` to out_dir and return the directory."""
+    """Write a random-weight checkpoint of `preset` to out_dir and return the directory. With `fp8_block`, in Qwen's
+    FP8 layout (fp8.py): FP8_WEIGHTS in float8 with scales (of `scale_dtype`) per block of that [rows, cols], the
+    PLE table in float8 with one scale, the rest in `dtype`."""
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     if shard_bytes <= 0:
@@ -115,19 +170,34 @@ def write_random_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    shards = _pack(_plan(text), dtype, shard_bytes)
+    if fp8_block is not None:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": list(fp8_block),
+                                         "modules_to_not_convert": FP8_NOT_CONVERTED}
+
+    def entries(spec, piece):
+        return _entries(spec, piece, dtype, fp8_block, scale_dtype)
+
+    def size(spec, piece) -> int:
+        return sum(math.prod(shape) * kind.itemsize for kind, shape in entries(spec, piece).values())
+
+    shards = _pack(_plan(text), size, shard_bytes)
     total = sum(size for shard in shards for *_, size in shard)
     weight_map: dict[str, str] = {}
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {preset}", disable=not progress)
     for number, shard in enumerate(shards, start=1):
         name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        entries = {
-            piece.disk: (torch.int64 if spec.init == "const" else dtype, tuple(piece.shape)) for spec, piece, _ in shard
-        }
-        with SafetensorsStream(out / name, entries) as stream:
+        declared = {disk: entry for spec, piece, _ in shard for disk, entry in entries(spec, piece).items()}
+        with SafetensorsStream(out / name, declared) as stream:
             for spec, piece, size in shard:
-                stream.write(piece.disk, _draw(spec, piece, seed, dtype, device))
-                weight_map[piece.disk] = name
+                parts = entries(spec, piece)
+                if len(parts) == 1 and next(iter(parts.values()))[0] != fp8.FLOAT8:
+                    stream.write(piece.disk, _draw(spec, piece, seed, dtype, device))
+                else:
+                    for disk, tensor in _fp8_parts(spec, piece, seed, device, fp8_block, scale_dtype, parts):
+                        stream.write(disk, tensor)
+                for disk in parts:
+                    weight_map[disk] = name
                 bar.update(size)
     bar.close()
 

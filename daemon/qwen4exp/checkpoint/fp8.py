@@ -1,0 +1,86 @@
+"""Qwen's FP8 checkpoint layout: block-scaled float8 e4m3 weights, as its config's `quantization_config` says.
+
+`{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+"modules_to_not_convert": [...]}`: each weight stored in float8 e4m3 has beside it `<module>.weight_scale_inv`, one
+scale per [128, 128] block of the weight ([ceil(out/128), ceil(in/128)], float32 or bfloat16), and its values are
+W = W_fp8 x scale_inv, block by block. The PLE table is float8 shards with one global scale (a one-element
+`weight_scale_inv`; where it sits is read from the file: beside each shard, or beside the table's name).
+
+The loader (loader.py) pairs each float8 weight with its scale and dequantizes it as it reads it: the values are
+formed in float32 (the float8 value times its block's scale, one rounding) and cast once to the model's dtype, so a
+checkpoint gives exactly the weights of its dequantized float32 twin. `quantize` makes such a pair, for the random
+writer and the tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+SCALE_SUFFIX = "_scale_inv"          # "<name>.weight" -> "<name>.weight_scale_inv"
+FLOAT8 = torch.float8_e4m3fn
+FLOAT8_MAX = 448.0                   # the largest finite e4m3 value
+
+
+def scale_name(weight_name: str) -> str:
+    return weight_name + SCALE_SUFFIX
+
+
+def weight_name(scale: str) -> str | None:
+    """The weight a `..._scale_inv` tensor scales, or None for another name."""
+    return scale[:-len(SCALE_SUFFIX)] if scale.endswith(".weight" + SCALE_SUFFIX) else None
+
+
+def block_size(config: dict[str, Any], where: str) -> tuple[int, int] | None:
+    """The [rows, cols] weight block of an FP8 checkpoint's config (read_config's dict), or None for a checkpoint
+    that is not FP8; a quantization it does not read is refused with the key that says so."""
+    quant = (config.get("top_level") or {}).get("quantization_config") or config.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(f"{where}: quantization_config.quant_method is {method!r}; this engine reads Qwen's "
+                              f"block-scaled 'fp8' (or an unquantized checkpoint, or a GGUF)")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"{where}: quantization_config.fmt is {quant.get('fmt')!r}; this engine reads e4m3")
+    block = quant.get("weight_block_size")
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block)):
+        raise CheckpointError(f"{where}: quantization_config.weight_block_size must be [rows, cols] of positive "
+                              f"whole numbers, got {block!r}")
+    return block[0], block[1]
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, name: str = "a weight"
+               ) -> torch.Tensor:
+    """float8 [out, in] and its scales [ceil(out/rows), ceil(in/cols)] -> float32; block None: one global scale
+    (the PLE table's)."""
+    values = weight.to(torch.float32)
+    if block is None:
+        if scale.numel() != 1:
+            raise CheckpointError(f"{name}{SCALE_SUFFIX} has shape {list(scale.shape)}; the PLE table's float8 "
+                                  f"shards take one global scale")
+        return values * scale.to(torch.float32).reshape(())
+    rows, cols = weight.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale.shape) != expected:
+        raise CheckpointError(f"{name}{SCALE_SUFFIX} has shape {list(scale.shape)}; {name} {list(weight.shape)} in "
+                              f"blocks of {list(block)} needs {list(expected)}")
+    per_value = scale.to(torch.float32).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return values * per_value
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] as (float8 e4m3 values, float32 scales per block), each block's largest magnitude mapped
+    to e4m3's largest value."""
+    rows, cols = weight.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32, device=weight.device)
+    padded[:rows, :cols] = weight.to(torch.float32)
+    blocks = padded.reshape(grid[0], block[0], grid[1], block[1])
+    scale = (blocks.abs().amax(dim=(1, 3)) / FLOAT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    values = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:rows, :cols].to(FLOAT8)
+    return values, scale

@@ -1,0 +1,164 @@
+"""Qwen's FP8 checkpoint layout (checkpoint/fp8.py) on the CPU: an FP8 checkpoint gives exactly the logits and tokens
+of its dequantized float32 twin, with float32 or bfloat16 scales and blocks that do not divide the weights; what
+the layout gets wrong is named."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qwen4exp.checkpoint.errors import CheckpointError
+from qwen4exp.checkpoint.writer import write_random_checkpoint
+from qwen4exp.engine.generate import generate
+from qwen4exp.engine.loading import load_model
+from qwen4exp.engine.state import SequenceState
+
+PROMPT = [5, 77, 300, 12, 9, 41, 600, 2, 18, 250, 7, 3, 999, 64, 33, 1, 90, 800, 45, 46, 47, 48, 49, 50, 51, 52,
+          53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66]     # past QSA's dense limit of 35
+
+
+def _twin(fp8_dir, out):
+    """The float32 checkpoint of an FP8 one's dequantized values, computed here block by block in numpy (not by the
+    loader's code): value x the scale of its block, or x the table's one scale."""
+    config = json.loads((fp8_dir / "config.json").read_text())
+    block = config.pop("quantization_config")["weight_block_size"]
+    tensors = {}
+    for file in sorted(fp8_dir.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    twin = {}
+    for name, tensor in tensors.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if tensor.dtype != torch.float8_e4m3fn:
+            twin[name] = tensor
+            continue
+        values = tensor.to(torch.float32).numpy()
+        scale = tensors.get(name + "_scale_inv")
+        if scale is None:                                          # a PLE shard: the table's one scale
+            scale = tensors[name.rsplit(".shard_", 1)[0] + ".weight_scale_inv"]
+        scale = scale.to(torch.float32).numpy()
+        out_values = np.empty_like(values)
+        if scale.size == 1:
+            out_values[:] = values * scale.reshape(())
+        else:
+            for i in range(scale.shape[0]):
+                for j in range(scale.shape[1]):
+                    rows, cols = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
+                    out_values[rows, cols] = values[rows, cols] * scale[i, j]
+        twin[name] = torch.from_numpy(out_values)
+    out.mkdir()
+    save_file(twin, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        if (fp8_dir / extra).exists():
+            shutil.copy(fp8_dir / extra, out / extra)
+    return out
+
+
+@pytest.mark.parametrize("block, scales", [((128, 128), torch.float32), ((24, 40), torch.bfloat16)],
+                         ids=["128x128-float32-scales", "24x40-bfloat16-scales"])
+def test_an_fp8_checkpoint_gives_the_logits_of_its_dequantized_float32_twin(tmp_path, block, scales):
+    fp8_dir = write_random_checkpoint(tmp_path / "fp8", preset="tiny", seed=4, dtype=torch.float32, progress=False,
+                                      fp8_block=block, scale_dtype=scales)
+    with safe_open(str(next(fp8_dir.glob("*.safetensors"))), framework="pt") as f:
+        kinds = {f.get_slice(name).get_dtype() for name in f.keys()}
+    assert "F8_E4M3" in kinds
+    quantized = load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False)
+    twin = load_model(str(_twin(fp8_dir, tmp_path / "twin")), dtype="float32", device="cpu", progress=False)
+    for name, tensor in twin.state_dict().items():
+        assert torch.equal(quantized.state_dict()[name], tensor), name
+    states = [SequenceState(m.config, 128, "cpu", torch.float32) for m in (quantized, twin)]
+    logits = [m(torch.tensor(PROMPT), s, all_logits=True) for m, s in zip((quantized, twin), states)]
+    assert torch.equal(logits[0], logits[1])
+    assert generate(quantized, PROMPT, 12).output_ids == generate(twin, PROMPT, 12).output_ids
+
+
+def _rewrite(directory, change):
+    """Apply change(tensors) to the checkpoint's one shard, rewritten as a single model.safetensors."""
+    tensors = {}
+    files = sorted(directory.glob("*.safetensors"))
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            tensors |= {name: f.get_tensor(name) for name in f.keys()}
+        file.unlink()
+    (directory / "model.safetensors.index.json").unlink()
+    change(tensors)
+    save_file(tensors, str(directory / "model.safetensors"))
+
+
+@pytest.fixture
+def fp8_dir(tmp_path):
+    return write_random_checkpoint(tmp_path / "fp8", preset="tiny", seed=4, dtype=torch.float32, progress=False,
+                                   fp8_block=(24, 40))
+
+
+EXPERT = "model.language_model.layers.0.mlp.experts.3.down_proj.weight"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.pop(EXPERT + "_scale_inv"), f"float8 tensor {EXPERT} has no {EXPERT}_scale_inv"),
+    (lambda t: t.__setitem__(EXPERT + "_scale_inv", torch.ones(1, 1)),
+     rf"{EXPERT}_scale_inv has shape \[1, 1\]; {EXPERT} \[64, 32\] in blocks of \[24, 40\] needs \[3, 1\]"),
+    (lambda t: t.__setitem__("model.language_model.layers.0.linear_attn.out_proj.weight_scale_inv", torch.ones(1)),
+     r"linear_attn\.out_proj\.weight_scale_inv \(model\.safetensors: scales no float8 weight\)"),
+], ids=["no-scale", "scale-of-the-wrong-shape", "a-scale-without-a-float8-weight"])
+def test_what_the_layout_gets_wrong_is_named(fp8_dir, change, message):
+    _rewrite(fp8_dir, change)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda q: q.update(quant_method="gptq"), "quant_method is 'gptq'; this engine reads Qwen's block-scaled 'fp8'"),
+    (lambda q: q.update(fmt="e5m2"), "fmt is 'e5m2'; this engine reads e4m3"),
+    (lambda q: q.update(weight_block_size=[128]), r"weight_block_size must be \[rows, cols\]"),
+    (lambda q: q.clear(), "float8 weights or their scales, but the config has no quantization_config"),
+], ids=["another-method", "another-format", "a-bad-block", "no-quantization-config"])
+def test_a_quantization_config_it_does_not_read_is_named_by_key(fp8_dir, edit, message):
+    config = json.loads((fp8_dir / "config.json").read_text())
+    edit(config["quantization_config"])
+    if not config["quantization_config"]:
+        del config["quantization_config"]
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False)
+
+
+def test_a_ple_scale_beside_each_shard_reads_as_the_tables_one(fp8_dir, tmp_path):
+    """Where the file keeps the table's one scale beside every shard instead of beside the table's name."""
+    before = load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False).state_dict()
+
+    def move(tensors):
+        [table] = [name for name in tensors if name.endswith("ngram_embedding.weight_scale_inv")]
+        scale = tensors.pop(table)
+        base = table[:-len(".weight_scale_inv")]
+        for name in [n for n in tensors if n.startswith(base + ".shard_") and n.endswith(".weight")]:
+            tensors[name + "_scale_inv"] = scale.clone()
+
+    _rewrite(fp8_dir, move)
+    after = load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False).state_dict()
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+
+
+def test_init_checkpoint_writes_fp8_and_generate_serves_it(tmp_path, capsys):
+    from qwen4exp.cli import main
+
+    out = tmp_path / "fp8"
+    assert main(["init-checkpoint", "--preset", "tiny", "--format", "fp8", "--dtype", "float32", "--out",
+                 str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    capsys.readouterr()
+    assert main(["generate", "--model", str(out), "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "6",
+                 "--ignore-eos", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    model = load_model(str(out), dtype="float32", device="cpu", progress=False)
+    assert answer["token_ids"] == generate(model, PROMPT, 6).output_ids
