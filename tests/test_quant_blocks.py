@@ -12,7 +12,7 @@ from qwen4exp.checkpoint.gguf_blocks import random_blocks
 from qwen4exp.engine.model.quant_blocks import LAYOUTS, dequantize
 
 
-@pytest.mark.parametrize("qtype", sorted(LAYOUTS))
+@pytest.mark.parametrize("qtype", sorted(q for q in LAYOUTS if not q.startswith("FP8_")))
 @pytest.mark.parametrize("std, seed", [(0.02, 0), (3.0, 1), (1e-4, 2)])
 def test_every_type_dequantizes_bit_for_bit_as_the_reference(qtype, std, seed):
     from gguf import GGMLQuantizationType, quants
@@ -46,3 +46,19 @@ def test_a_quantized_stack_gives_experts_dequantized_in_the_models_dtype():
     assert torch.equal(stack[1], dense[1].to(torch.bfloat16))
     with pytest.raises(ValueError, match="Q4_K rows hold whole blocks of 256 values"):
         QuantizedStack("Q4_K", (2, 4, 64), torch.float32)
+
+
+@pytest.mark.parametrize("qtype", ["FP8_B32", "FP8_B128"])
+def test_our_fp8_blocks_hold_a_checkpoints_float8_weight_and_its_block_scales(qtype):
+    """An FP8 checkpoint's weight repacked as our blocks (checkpoint/fp8.to_blocks) dequantizes to the checkpoint's
+    values (fp8.dequantize: float8 x its block's scale), bit for bit, every float8 bit pattern included."""
+    from qwen4exp.checkpoint import fp8
+
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randint(0, 256, (300, 512), generator=generator, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale = torch.rand(3, 2, generator=generator) * 0.01
+    got = dequantize(fp8.to_blocks(weight, scale, (128, 256), qtype), qtype)
+    want = fp8.dequantize(weight, scale, (128, 256))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))        # the NaN patterns too
+    assert fp8.kept_type([512, 256], (128, 128)) == "FP8_B128" and fp8.kept_type([64], (128, 128)) == "FP8_B32"
+    assert fp8.kept_type([64], (24, 40)) is None and fp8.kept_type([160], None) == "FP8_B32"

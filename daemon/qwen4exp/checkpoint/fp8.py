@@ -6,10 +6,13 @@ scale per [128, 128] block of the weight ([ceil(out/128), ceil(in/128)], float32
 W = W_fp8 x scale_inv, block by block. The PLE table is float8 shards with one global scale (a one-element
 `weight_scale_inv`; where it sits is read from the file: beside each shard, or beside the table's name).
 
-The loader (loader.py) pairs each float8 weight with its scale and dequantizes it as it reads it: the values are
-formed in float32 (the float8 value times its block's scale, one rounding) and cast once to the model's dtype, so a
-checkpoint gives exactly the weights of its dequantized float32 twin. `quantize` makes such a pair, for the random
-writer and the tests.
+The loader (loader.py) pairs each float8 weight with its scale. The routed experts and the PLE table, most of the
+model's bytes, stay float8 where their widths allow (`kept_type`): as our block types FP8_B128 / FP8_B32
+(kernels/quant_tiles.LAYOUTS: each run of 128 or 32 values of a row after its block's scale), which the torch
+forms and the kernels dequantize as they read them (`to_blocks` repacks a weight). The other weights are
+dequantized as they are read. Either way a value is formed in float32 (the float8 value times its block's scale,
+one rounding) and cast once to the model's dtype, so a checkpoint gives exactly the weights of its dequantized
+float32 twin. `quantize` makes a (values, scales) pair, for the random writer and the tests.
 """
 
 from __future__ import annotations
@@ -84,3 +87,44 @@ def quantize(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple
     scale = (blocks.abs().amax(dim=(1, 3)) / FLOAT8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     values = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:rows, :cols].to(FLOAT8)
     return values, scale
+
+
+KEPT_TYPES = {"FP8_B128": 128, "FP8_B32": 32}     # block type -> values a scale covers in a row
+
+
+def kept_type(widths: list[int], block: tuple[int, int] | None) -> str | None:
+    """The block type a float8 stack stays in, given the row widths of its pieces and the checkpoint's block (None:
+    one global scale, the PLE table's): the widest whose runs divide every width and never straddle two scale
+    blocks; None where none does (the stack is dequantized at load)."""
+    for qtype, run in KEPT_TYPES.items():
+        if all(width % run == 0 for width in widths) and (block is None or block[1] % run == 0):
+            return qtype
+    return None
+
+
+def to_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, qtype: str) -> torch.Tensor:
+    """A float8 weight [rows, cols] and its scales (block None: one global scale) as `qtype` blocks: uint8
+    [rows, cols / run * (4 + run)], each run of a row after the float32 scale of the checkpoint block it lies in."""
+    run = KEPT_TYPES[qtype]
+    rows, cols = weight.shape
+    runs = cols // run
+    if block is None:
+        per_run = scale.to(torch.float32).reshape(1, 1).expand(rows, runs)
+    else:
+        by_row = scale.to(torch.float32).repeat_interleave(block[0], 0)[:rows]
+        per_run = by_row[:, torch.arange(runs, device=scale.device) * run // block[1]]
+    out = torch.empty(rows, runs, 4 + run, dtype=torch.uint8, device=weight.device)
+    out[:, :, :4] = per_run.contiguous().view(torch.uint8).reshape(rows, runs, 4)
+    out[:, :, 4:] = weight.contiguous().view(torch.uint8).reshape(rows, runs, run)
+    return out.reshape(rows, runs * (4 + run))
+
+
+def random_blocks(qtype: str, shape: tuple[int, ...], std: float, seed: int):
+    """numpy uint8 `qtype` blocks of a random tensor of `shape` (torch order) with values near N(0, std): drawn,
+    quantized one run a scale, packed (the kernel tests' inputs, as gguf_blocks.random_blocks for GGML's types)."""
+    run = KEPT_TYPES[qtype]
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(*shape, generator=generator) * std
+    flat = values.reshape(-1, shape[-1])
+    weight, scale = quantize(flat, (1, run))
+    return to_blocks(weight, scale, (1, run), qtype).reshape(*shape[:-1], -1).numpy()

@@ -48,8 +48,12 @@ def _unit_spread(qtype: str, seed: int) -> float:
 
 def random_blocks(qtype: str, shape: tuple[int, ...], std: float, seed: int) -> np.ndarray:
     """uint8 blocks of `qtype` for a tensor of `shape` (torch order; the last axis a whole number of blocks),
-    whose dequantized values have a standard deviation near `std`."""
+    whose dequantized values have a standard deviation near `std` (our FP8 types: fp8.random_blocks)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if qtype.startswith("FP8_"):
+        from .fp8 import random_blocks as fp8_blocks
+        return fp8_blocks(qtype, shape, std, seed)
 
     block = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][0]
     if shape[-1] % block:

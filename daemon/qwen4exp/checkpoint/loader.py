@@ -133,6 +133,7 @@ class _Copy:
     index: tuple[Any, ...]
     nbytes: int
     scale: tuple[Path, str] | None = None      # a float8 weight's block scales (fp8.py)
+    kept: str | None = None                    # the block type a float8 piece is repacked into (a kept stack)
 
 
 @dataclass
@@ -190,13 +191,52 @@ def _scale_for(name: str, ref: layout.DiskRef, scales: dict, used: set) -> tuple
     return own
 
 
-def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple[int, int] | None = None) -> _Plan:
+# The runtime tensors an FP8 checkpoint's float8 weights may stay float8 in (fp8.kept_type): the routed experts'
+# stacks and the PLE tables, most of the model's bytes.
+KEPT_FP8 = (".experts.gate_up_proj", ".experts.down_proj", ".ngram_embedding.weight")
+
+
+def fp8_stacks(path: str | Path, config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{runtime name: (block type, dense shape)} of the tensors of an FP8 checkpoint that stay float8 on the device
+    (model/quantized.py's QuantizedStack): those of KEPT_FP8 whose every piece is float8 and whose widths a block
+    type takes. Empty for another checkpoint."""
+    block = fp8.block_size(config, str(_root(path)))
+    if block is None:
+        return {}
+    pieces: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
+    for name, (_, shape, dtype) in _headers(checkpoint_files(path)).items():
+        target = layout.parse_disk_name(name).target
+        if target.endswith(KEPT_FP8):
+            pieces[target].append((dtype, shape))
+    shapes = {spec.name: spec.shape for spec in layout.runtime_specs(config)}
+    stacks = {}
+    for target, found in pieces.items():
+        table = target.endswith(".ngram_embedding.weight")
+        qtype = fp8.kept_type([shape[-1] for _, shape in found], None if table else block)
+        if qtype is not None and target in shapes and all(dtype.startswith("F8") for dtype, _ in found):
+            stacks[_stack_name(target)] = (qtype, shapes[target])
+    return stacks
+
+
+def _stack_name(target: str) -> str:
+    """The QuantizedStack a kept tensor becomes: the stack tensor itself, or for a table the embedding module."""
+    return target.removesuffix(".weight") if target.endswith(".ngram_embedding.weight") else target
+
+
+def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple[int, int] | None = None,
+          kept: dict[str, Any] | None = None) -> _Plan:
+    """`kept`: {runtime name: QuantizedStack} of the float8 stacks the model keeps as blocks (their `.blocks` are
+    the targets)."""
     plan = _Plan()
+    kept = kept or {}
     has_mtp = any(name.startswith(layout.MTP_PREFIX) for name in targets)
     headers = _headers(files)
     scales, used = _scales(headers, block), set()
     for name, (file, shape, dtype) in headers.items():
         ref = layout.parse_disk_name(name)
+        stack = kept.get(_stack_name(ref.target))
+        if stack is not None:       # the stack's dense shape for the checks, its blocks for the copy
+            ref = layout.DiskRef(ref.kind, _stack_name(ref.target) + ".blocks", ref.number, ref.proj)
         if ref.kind == "visual":
             plan.report.skipped_visual += 1
             continue
@@ -204,6 +244,7 @@ def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple
             plan.report.skipped_mtp += 1
             continue
         param = targets.get(ref.target)
+        dense = tuple(stack.shape) if stack is not None else None if param is None else tuple(param.shape)
         nbytes = math.prod(shape) * _DTYPE_SIZES.get(dtype, 4)
         if param is None or (ref.kind == "expert" and (param.dim() != 3 or ref.number >= param.shape[0])):
             plan.unexpected.append(f"{name} ({file.name})")
@@ -212,21 +253,23 @@ def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple
         if dtype.startswith("F8") and scale is None:
             raise CheckpointError(f"{file}: float8 tensor {name} has no {fp8.scale_name(name)} (nor, for a PLE "
                                   f"shard, one beside its table)")
+        qtype = stack.qtype if stack is not None else None
         if ref.kind == "ple_shard":
-            plan.ple[ref.target][ref.number] = (file, name, shape, nbytes, scale)
+            plan.ple[ref.target][ref.number] = (file, name, shape, nbytes, scale, qtype)
             continue
         if ref.kind == "whole":
-            index, expected = (), tuple(param.shape)
+            index, expected = (), dense
         else:
-            index, expected = layout.expert_slot(ref, tuple(param.shape))
+            index, expected = layout.expert_slot(ref, dense)
         if shape != tuple(expected):
             raise _shape_error(file, name, tuple(expected), shape)
         if (ref.number, ref.proj) in plan.covered[ref.target]:
             raise CheckpointError(f"{file}: tensor {name} fills {ref.target}, which another tensor already fills")
-        plan.copies.append(_Copy(file, name, ref.target, index, nbytes, scale))
+        plan.copies.append(_Copy(file, name, ref.target, index, nbytes, scale, qtype))
         plan.covered[ref.target].add((ref.number, ref.proj))
     for target, shards in plan.ple.items():
-        _plan_ple(plan, target, shards, tuple(targets[target].shape))
+        stack = kept.get(target.removesuffix(".blocks"))
+        _plan_ple(plan, target, shards, tuple(stack.shape if stack is not None else targets[target].shape))
     plan.unexpected += [f"{scale} ({file.name}: scales no float8 weight)" for file, scale in scales.values()
                         if scale not in used]
     return plan
@@ -242,10 +285,10 @@ def _plan_ple(plan: _Plan, target: str, shards: dict, table_shape: tuple[int, ..
                 f"{file}: PLE table {target} has no shard_{number} before {name} "
                 f"(shards found: {sorted(shards)}; they must be numbered 0..n-1)"
             )
-        file, name, shape, nbytes, scale = shards[number]
+        file, name, shape, nbytes, scale, qtype = shards[number]
         if tuple(shape[1:]) != table_shape[1:] or row + shape[0] > table_shape[0]:
             raise _shape_error(file, name, (min(shape[0], table_shape[0] - row), *table_shape[1:]), shape)
-        plan.copies.append(_Copy(file, name, target, (slice(row, row + shape[0]),), nbytes, scale))
+        plan.copies.append(_Copy(file, name, target, (slice(row, row + shape[0]),), nbytes, scale, qtype))
         row += shape[0]
     if row != table_shape[0]:
         file, name, *_ = shards[max(shards)]
@@ -259,9 +302,10 @@ def _missing(plan: _Plan, targets: dict[str, torch.Tensor]) -> list[str]:
     missing = []
     for name, param in targets.items():
         got = plan.covered.get(name, set())
-        if name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj"):
-            projs = ("down",) if name.endswith("down_proj") else ("gate", "up")
-            base = name.rsplit(".", 1)[0]
+        dense = name.removesuffix(".blocks")          # a kept stack's blocks stand for its tensor
+        if dense.endswith(".experts.gate_up_proj") or dense.endswith(".experts.down_proj"):
+            projs = ("down",) if dense.endswith("down_proj") else ("gate", "up")
+            base = dense.rsplit(".", 1)[0]
             missing += [
                 f"{base}.{e}.{p}_proj.weight" for e in range(param.shape[0]) for p in projs if (e, p) not in got
             ]
@@ -295,7 +339,8 @@ def load_weights(
     root = _root(path)
     targets = module.state_dict(keep_vars=True)
     block = fp8.block_size(read_config(path), str(root))
-    plan = _plan(checkpoint_files(path), targets, block)
+    kept = {name: m for name, m in module.named_modules() if type(m).__name__ == "QuantizedStack"}
+    plan = _plan(checkpoint_files(path), targets, block, kept)
     if plan.unexpected:
         raise CheckpointError(
             f"{root}: {len(plan.unexpected)} checkpoint tensors match nothing in the model: {_some(plan.unexpected)}"
@@ -321,8 +366,9 @@ def load_weights(
                 tensor = f.get_tensor(copy.disk)
                 if copy.scale is not None:       # the PLE table's shards have one global scale
                     table = layout.parse_disk_name(copy.disk).kind == "ple_shard"
-                    tensor = fp8.dequantize(tensor, _tensor(*copy.scale, staging), None if table else block,
-                                            copy.disk)
+                    scale, per = _tensor(*copy.scale, staging), None if table else block
+                    tensor = fp8.to_blocks(tensor, scale, per, copy.kept) if copy.kept else \
+                        fp8.dequantize(tensor, scale, per, copy.disk)
                 if tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 param = targets[copy.target]

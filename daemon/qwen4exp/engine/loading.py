@@ -8,7 +8,7 @@ import torch
 
 from ..checkpoint.gguf_file import GGUFCheckpoint, is_gguf
 from ..checkpoint.gguf_loader import load_gguf_weights, quantized_stacks
-from ..checkpoint.loader import load_weights, read_config
+from ..checkpoint.loader import fp8_stacks, load_weights, read_config
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
 from .model.ple import NGramEmbedding
@@ -78,7 +78,8 @@ def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | to
         log.info("loaded %s: %s", path, report)
         return model
     cfg = model_config(path)
-    model = build_model(cfg, dtype, device, ple_on_host=ple_on_host)
+    # An FP8 checkpoint's float8 experts and PLE table stay float8 (checkpoint/fp8.py).
+    model = build_model(cfg, dtype, device, fp8_stacks(path, read_config(path)), ple_on_host)
     report = load_weights(path, model, dtype=dtype, device=device, progress=progress)
     log.info("loaded %s: %s", path, report)
     return model

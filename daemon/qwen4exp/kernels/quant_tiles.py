@@ -22,9 +22,11 @@ import torch
 
 from .guard import interpreted, tl, triton
 
-# (values per block, bytes per block) of each block type
+# (values per block, bytes per block) of each block type. FP8_B32 and FP8_B128 are ours, for Qwen's FP8 checkpoint
+# (checkpoint/fp8.py): a float32 scale (little-endian), then 32 or 128 float8 e4m3 values, each value = scale x it.
 LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
-           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
+           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
+           "FP8_B32": (32, 36), "FP8_B128": (128, 132)}
 # The non-linear 4-bit grid of IQ4_NL and IQ4_XS.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 QTYPES = tuple(LAYOUTS)
@@ -57,6 +59,27 @@ if triton is not None:
         low = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
         high = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
         return (low | (high << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _f32(ptr, mask):
+        """The little-endian float32 at `ptr` (4 bytes, any alignment)."""
+        bits = tl.load(ptr, mask=mask, other=0).to(tl.uint32)
+        for i in tl.static_range(1, 4):
+            bits = bits | (tl.load(ptr + i, mask=mask, other=0).to(tl.uint32) << (8 * i))
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _e4m3(ptr, mask):
+        """The float8 e4m3 (fn: no infinities, 0x7F/0xFF NaN) byte at `ptr` as float32, as torch converts it: a
+        normal value's bits rebuilt in float32's layout, a subnormal one as mantissa x 2^-9, NaN as torch's."""
+        byte = _u8(ptr, mask)
+        exponent = (byte >> 3) & 15
+        mantissa = byte & 7
+        sign = (byte >> 7).to(tl.uint32) << 31
+        bits = tl.where((exponent == 15) & (mantissa == 7), sign | 0x7FF00000,
+                        sign | ((exponent + 120) << 23).to(tl.uint32) | (mantissa << 20).to(tl.uint32))
+        subnormal = mantissa.to(tl.float32) * 0.001953125
+        return tl.where(exponent == 0, tl.where(byte >= 128, -subnormal, subnormal), bits.to(tl.float32, bitcast=True))
 
     @triton.jit
     def _nibble(ptr, lane, mask):
@@ -129,6 +152,12 @@ if triton is not None:
         elif QTYPE == "IQ4_NL":
             base = row + (col // 32) * 18
             return _f16(base, mask) * tl.load(grid_ptr + _nibble(base + 2, lane, mask))
+        elif QTYPE == "FP8_B32":
+            base = row + (col // 32) * 36
+            return _f32(base, mask) * _e4m3(base + 4 + lane, mask)
+        elif QTYPE == "FP8_B128":
+            base = row + (col // 128) * 132
+            return _f32(base, mask) * _e4m3(base + 4 + (col % 128) + lane, mask)
         else:
             tl.static_assert(QTYPE == "IQ4_XS", "no in-register form for this block type")
             base = row + (col // 256) * 136

@@ -54,8 +54,17 @@ def _op_in_flight() -> str:
 
 def quantized_for(config: ModelConfig, gguf: str) -> dict:
     """What a GGUF keeps quantized, for `record`: of the file at path `gguf`, or of a file of `config` at the
-    mix named `gguf` (gguf_writer.MIXES or one block type)."""
+    mix named `gguf` (gguf_writer.MIXES or one block type); for one of our FP8 block types, what an FP8 checkpoint
+    of `config` keeps float8 in it (checkpoint/fp8.py)."""
+    from ...checkpoint import fp8
     from ...checkpoint.gguf_file import GGUFCheckpoint, is_gguf
+    from ...checkpoint.loader import KEPT_FP8
+
+    if gguf in fp8.KEPT_TYPES:
+        with torch.device("meta"):
+            tensors = Qwen4ExpForCausalLM(config).state_dict()
+        return {name.removesuffix(".weight"): (gguf, tuple(t.shape)) for name, t in tensors.items()
+                if name.endswith(KEPT_FP8) and t.shape[-1] % fp8.KEPT_TYPES[gguf] == 0}
 
     return quantized_stacks(GGUFCheckpoint(gguf) if is_gguf(gguf) else PlannedFile(config, gguf), config)
 

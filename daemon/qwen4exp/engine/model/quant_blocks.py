@@ -112,8 +112,13 @@ def _iq4_xs(b):
     return (dl * q).reshape(n, 256)
 
 
+def _fp8(b):
+    """Ours (quant_tiles.LAYOUTS): a float32 scale, then float8 e4m3 values."""
+    return b[:, 0:4].contiguous().view(torch.float32) * b[:, 4:].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+
+
 _FORMS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
-          "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+          "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "FP8_B32": _fp8, "FP8_B128": _fp8}
 
 
 def dequantize(raw: torch.Tensor, qtype: str) -> torch.Tensor:
