@@ -34,26 +34,14 @@ from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.request import Request
 from qwen4exp.engine.speculative import Drafter
+from speed import sync, timed        # bench/speed.py: this directory is on the path when run as a script
 
 ACCEPTANCE_LENGTH = 2.6
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(run, device: torch.device, repeats: int) -> float:
     """Median seconds of run() over `repeats` (after one untimed run)."""
-    run()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        started = time.perf_counter()
-        run()
-        _sync(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return statistics.median(timed(run, device, repeats))
 
 
 def verify_costs(model, slots: int, drafts: list[int], device: torch.device, repeats: int) -> dict:
@@ -119,11 +107,11 @@ def oracle_run(model, slots: int, tokens: int, device: torch.device, context: in
         requests = [engine.submit(Request(prompt_ids=p, max_tokens=tokens)) for p in prompts]
         while any(r.first_token_at is None for r in requests):     # prompts first: time decoding only
             engine.step()
-        _sync(device)
+        sync(device)
         timing.update(draft=0.0, verify=0.0)
         steps, started = engine.counters.decode_steps, time.perf_counter()
         engine.run_until_idle()
-        _sync(device)
+        sync(device)
         return requests, time.perf_counter() - started, engine, engine.counters.decode_steps - steps
 
     plain, plain_s, _, plain_steps = run()
@@ -131,21 +119,21 @@ def oracle_run(model, slots: int, tokens: int, device: torch.device, context: in
     real_draft, real_verify = Drafter.draft, Drafter.verify
 
     def oracle_draft(self, decoding):
-        _sync(device)
+        sync(device)
         started = time.perf_counter()
         drafts = real_draft(self, decoding)        # the head runs as it would; its proposals are replaced
         for slot in decoding:
             answer, done = answers[tuple(slot.request.prompt_ids)], len(slot.request.output_ids)
             drafts[slot.index] = answer[done:done + len(drafts[slot.index])]
-        _sync(device)
+        sync(device)
         timing["draft"] += time.perf_counter() - started
         return drafts
 
     def timed_verify(self, decoding, drafts):
-        _sync(device)
+        sync(device)
         started = time.perf_counter()
         out = real_verify(self, decoding, drafts)
-        _sync(device)
+        sync(device)
         timing["verify"] += time.perf_counter() - started
         return out
 
