@@ -1,4 +1,5 @@
-"""GGML's quantized blocks dequantized in registers, inside the kernels that multiply by them.
+"""GGML's quantized blocks (and our FP8 ones, an FP8 checkpoint's: checkpoint/fp8.py) dequantized in registers,
+inside the kernels that multiply by them.
 
 A quantized weight is uint8 rows, each a run of blocks (LAYOUTS below; engine/model/quant_blocks.py has the torch
 forms). Every type splits a row into groups of 32 values that share their scales, so the kernels walk a weight

@@ -1,4 +1,5 @@
-"""GGML's quantized blocks dequantized in torch: the reference forms of the quantized weights' kernels.
+"""GGML's quantized blocks (and our FP8 ones) dequantized in torch: the reference forms of the quantized weights'
+kernels.
 
 A weight kept quantized is a uint8 tensor [..., row bytes]: each row a run of blocks of `block` values. These
 functions give float32 values bit for bit equal to `gguf.quants.dequantize` (tests/test_quant_blocks.py): every
@@ -114,7 +115,8 @@ def _iq4_xs(b):
 
 def _fp8(b):
     """Ours (quant_tiles.LAYOUTS): a float32 scale, then float8 e4m3 values."""
-    return b[:, 0:4].contiguous().view(torch.float32) * b[:, 4:].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    scale = b[:, 0:4].contiguous().view(torch.float32)
+    return scale * b[:, 4:].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
 
 
 _FORMS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,

@@ -1,5 +1,6 @@
 """Weights kept as GGML blocks, as a quantized GGUF stores them: the expert stacks (95% of the model's bytes), the
-embedding tables (the PLE table is its largest tensor), the projections and the LM head stay quantized.
+embedding tables (the PLE table is its largest tensor), the projections and the LM head stay quantized. An FP8
+checkpoint's expert stacks and PLE table stay float8 the same way, as our FP8 block types (checkpoint/fp8.py).
 
 A `QuantizedStack` stands where the model keeps a dense tensor: `Experts`' [E, rows, cols] stacks, the [rows,
 dim] embedding tables (the module itself), and the [out, in] weights a layer multiplies through the ops
