@@ -91,6 +91,29 @@ def test_a_gguf_is_estimated_from_its_header_as_it_loads(tmp_path):
     assert planned.weights == facts.weights and planned.ple_table == facts.ple_table
 
 
+def test_an_fp8_checkpoint_is_estimated_as_it_loads(tmp_path):
+    """An FP8 checkpoint directory (its experts kept float8) estimates the weights the loaded model holds; the full
+    model in FP8 (`--quant fp8`) keeps its experts as FP8_B128 and its PLE table as FP8_B32, and one H200 with 10%
+    headroom holds no context even with the table in host memory (127.8 GiB of weights: docs/MODEL.md)."""
+    from qwen4exp.checkpoint.loader import planned_fp8_stacks
+    from qwen4exp.checkpoint.writer import write_random_checkpoint
+    from qwen4exp.engine.fit_measure import weight_bytes
+    from qwen4exp.engine.loading import load_model
+
+    path = write_random_checkpoint(tmp_path / "fp8", preset="tiny", seed=2, dtype=torch.float32, progress=False,
+                                   fp8_block=(128, 128))
+    facts = model_facts(str(path), None, "float32")
+    model = load_model(str(path), dtype="float32", device="cpu", progress=False)
+    assert facts.quant == "fp8" and facts.weights == weight_bytes(model, torch.device("cpu"))
+    full = model_facts("full", "fp8", "bfloat16")
+    kept = {name: qtype for name, (qtype, _) in planned_fp8_stacks(full.cfg).items()}
+    assert set(kept.values()) == {"FP8_B128", "FP8_B32"}
+    assert all(q == "FP8_B32" for name, q in kept.items() if "ngram" in name)
+    est = estimate_plan(full, DeviceSize("target", "cuda:0", "cuda", 139 << 30), chunk=2048, ple="host")
+    assert est.fit.context is None and "do not fit" in est.fit.error
+    assert 127 << 30 < full.weights - full.ple_table < 128 << 30
+
+
 def _stacks_of_mix(cfg, mix: str) -> dict:
     from qwen4exp.checkpoint.gguf_loader import quantized_stacks
     from qwen4exp.checkpoint.gguf_writer import PlannedFile

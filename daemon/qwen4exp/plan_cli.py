@@ -51,8 +51,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                "target=32GiB,split=128GiB; else the profile's per-device `memory`")
     estimate.add_argument("--quant", default=None, metavar="MIX",
                           help="a preset's or checkpoint directory's weights as a GGUF of this mix would load "
-                               "(ud-q4_k_xl, q8_0, bf16, f32, or one block type such as Q4_K); a .gguf file's "
-                               "types come from its header")
+                               "(ud-q4_k_xl, q8_0, bf16, f32, or one block type such as Q4_K), or as Qwen's FP8 "
+                               "checkpoint would (fp8); a .gguf file's types come from its header, an FP8 "
+                               "checkpoint directory's from its config")
     plan.set_defaults(func=cmd_plan)
     return plan
 

@@ -218,6 +218,23 @@ def fp8_stacks(path: str | Path, config: dict[str, Any]) -> dict[str, tuple[str,
     return stacks
 
 
+def planned_fp8_stacks(cfg, block: tuple[int, int] = (128, 128)) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What an FP8 checkpoint of model config `cfg` (Qwen's layout, float8 experts and PLE table) keeps float8, as
+    `fp8_stacks` decides it from a file: for an estimate of a checkpoint not at hand."""
+    from ..engine.model.causal_lm import Qwen4ExpForCausalLM
+
+    with torch.device("meta"):
+        tensors = Qwen4ExpForCausalLM(cfg).state_dict()
+    stacks = {}
+    for name, tensor in tensors.items():
+        if name.endswith(KEPT_FP8):
+            table = name.endswith(".ngram_embedding.weight")
+            qtype = fp8.kept_type([tensor.shape[-1]], None if table else block)
+            if qtype is not None:
+                stacks[_stack_name(name)] = (qtype, tuple(tensor.shape))
+    return stacks
+
+
 def _stack_name(target: str) -> str:
     """The QuantizedStack a kept tensor becomes: the stack tensor itself, or for a table the embedding module."""
     return target.removesuffix(".weight") if target.endswith(".ngram_embedding.weight") else target

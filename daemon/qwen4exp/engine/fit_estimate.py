@@ -100,19 +100,22 @@ def model_facts(model: str, quant: str | None, dtype: str) -> ModelFacts:
     """The model named by `--model` (a preset, `tiny`, a checkpoint directory or a .gguf file; the GGUF's header only)
     at `quant` (a gguf_writer mix or block type, for presets and directories) in `dtype`."""
     from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.fp8 import block_size as fp8_block
     from ..checkpoint.gguf_loader import quantized_stacks
+    from ..checkpoint.loader import planned_fp8_stacks
     from ..checkpoint.gguf_writer import MIXES, ONE_TYPE, PlannedFile
     from .model.config import ConfigError, ModelConfig
 
     if quant is not None:              # mixes are written in lower case, block types in upper (gguf_writer)
-        given, quant = quant, quant.lower() if quant.lower() in MIXES else quant.upper()
-        if quant not in MIXES + ONE_TYPE:
-            raise EstimateError(f"--quant {given!r}: choose one of {', '.join(MIXES + ONE_TYPE)}")
+        given, quant = quant, quant.lower() if quant.lower() in MIXES + ("fp8",) else quant.upper()
+        if quant not in MIXES + ONE_TYPE + ("fp8",):
+            raise EstimateError(f"--quant {given!r}: choose one of {', '.join(MIXES + ONE_TYPE)}, or fp8 (Qwen's "
+                                f"FP8 checkpoint)")
     try:
         if model in PRESETS:
             from ..checkpoint.presets import preset_config
             config = preset_config(model, None, dtype=dtype)
-            if quant is not None:
+            if quant not in (None, "fp8"):
                 config["text_config"]["mtp_num_hidden_layers"] = 0     # llama.cpp's converter drops the MTP head
             cfg, label, source = ModelConfig.from_dict(config, source=f"preset {model!r}"), f"preset {model}", None
         elif str(model).endswith(".gguf"):
@@ -130,13 +133,18 @@ def model_facts(model: str, quant: str | None, dtype: str) -> ModelFacts:
                 raise EstimateError(f"--model {model!r}: --estimate reads a checkpoint directory's config.json, a "
                                     f".gguf file's metadata, 'tiny' or a preset ({', '.join(PRESETS)}); "
                                     f"Hugging Face ids are not fetched for an estimate")
-            cfg = ModelConfig.from_dict(read_config(str(path)), source=f"{path}/config.json")
+            raw = read_config(str(path))
+            cfg = ModelConfig.from_dict(raw, source=f"{path}/config.json")
             label, source = str(model), None
+            if quant is None and fp8_block(raw, str(path)) is not None:   # an FP8 checkpoint: what it keeps float8
+                quant = "fp8"
     except (ConfigError, CheckpointError, OSError) as err:
         raise EstimateError(f"--model {model}: {err}") from None
     stacks = {}
     if source is not None:
         stacks = quantized_stacks(source, cfg)
+    elif quant == "fp8":
+        stacks = planned_fp8_stacks(cfg)
     elif quant is not None:
         stacks = quantized_stacks(PlannedFile(cfg, quant), cfg)
     kind = "gguf file" if source is not None else (quant or "dense")
