@@ -14,7 +14,7 @@ import torch
 from . import gguf_layout, gguf_metadata
 from .errors import CheckpointError
 from ..engine.model.quant_blocks import LAYOUTS
-from ..engine.model.quantized import QuantizedStack
+from ..engine.model.quantized import QuantizedStack, kept_name
 from .gguf_file import GGUFCheckpoint
 from .loader import LoadReport
 
@@ -22,22 +22,6 @@ from .loader import LoadReport
 # backend's `linear` (a QuantizedStack in the weight's place), and the embedding tables (the module itself is
 # replaced, so its name drops the ".weight" of the tensor the GGUF piece fills). The hyper-connections' up
 # projection is read by the mixing kernel, and the indexer's rows come from two GGUF tensors: both stay dense.
-_STACKS = (".experts.gate_up_proj", ".experts.down_proj")
-_LINEAR = ("lm_head.weight", ".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight",
-           ".in_proj_qkv.weight", ".in_proj_z.weight", ".in_proj_b.weight", ".in_proj_a.weight", ".out_proj.weight",
-           ".input_mix_weight_down.weight", ".block_inject_weight.weight", ".shared_expert.gate_proj.weight",
-           ".shared_expert.up_proj.weight", ".shared_expert.down_proj.weight", ".key_proj.weight",
-           ".value_proj.weight")
-_TABLES = (".ple_embedding.ngram_embedding.weight", "model.embed_tokens.weight")
-
-
-def kept_name(target: str) -> str | None:
-    """The QuantizedStack a piece's runtime tensor is part of, if it can be kept quantized."""
-    if target.endswith(_STACKS + _LINEAR):
-        return target
-    return target.removesuffix(".weight") if target.endswith(_TABLES) else None
-
-
 def quantized_stacks(checkpoint, config) -> dict[str, tuple[str, tuple[int, ...]]]:
     """The weights to keep quantized: {runtime name: (block type, shape)}, for each weight `kept_name` names whose
     GGUF tensors (gate and up of an expert stack, or the one tensor) hold one block type with a torch form and

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from ..engine.model.quantized import kept_name
 from . import fp8, layout
 from .errors import CheckpointError
 
@@ -191,53 +192,45 @@ def _scale_for(name: str, ref: layout.DiskRef, scales: dict, used: set) -> tuple
     return own
 
 
-# The runtime tensors an FP8 checkpoint's float8 weights may stay float8 in (fp8.kept_type): the routed experts'
-# stacks and the PLE tables, most of the model's bytes.
-KEPT_FP8 = (".experts.gate_up_proj", ".experts.down_proj", ".ngram_embedding.weight")
-
-
 def fp8_stacks(path: str | Path, config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{runtime name: (block type, dense shape)} of the tensors of an FP8 checkpoint that stay float8 on the device
-    (model/quantized.py's QuantizedStack): those of KEPT_FP8 whose every piece is float8 and whose widths a block
-    type takes. Empty for another checkpoint."""
+    """{stack name: (block type, dense shape)} of the tensors of an FP8 checkpoint that stay float8 on the device
+    (model/quantized.py's QuantizedStack, where the model takes one: `kept_name`): those whose every piece is float8
+    and whose widths a block type takes. Empty for another checkpoint."""
     block = fp8.block_size(config, str(_root(path)))
     if block is None:
         return {}
     pieces: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
     for name, (_, shape, dtype) in _headers(checkpoint_files(path)).items():
         target = layout.parse_disk_name(name).target
-        if target.endswith(KEPT_FP8):
+        if kept_name(target) is not None:
             pieces[target].append((dtype, shape))
     shapes = {spec.name: spec.shape for spec in layout.runtime_specs(config)}
-    stacks = {}
-    for target, found in pieces.items():
-        table = target.endswith(".ngram_embedding.weight")
-        qtype = fp8.kept_type([shape[-1] for _, shape in found], None if table else block)
-        if qtype is not None and target in shapes and all(dtype.startswith("F8") for dtype, _ in found):
-            stacks[_stack_name(target)] = (qtype, shapes[target])
-    return stacks
+    return _kept_fp8({target: ([shape[-1] for _, shape in found], all(d.startswith("F8") for d, _ in found))
+                      for target, found in pieces.items() if target in shapes}, shapes, block)
 
 
 def planned_fp8_stacks(cfg, block: tuple[int, int] = (128, 128)) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """What an FP8 checkpoint of model config `cfg` (Qwen's layout, float8 experts and PLE table) keeps float8, as
-    `fp8_stacks` decides it from a file: for an estimate of a checkpoint not at hand."""
+    """What an FP8 checkpoint of model config `cfg` in Qwen's layout keeps float8 (its float8 weights: the writer's
+    FP8_WEIGHTS and the PLE table), as `fp8_stacks` decides it from a file: for an estimate of a checkpoint not at
+    hand."""
     from ..engine.model.causal_lm import Qwen4ExpForCausalLM
+    from .writer import FP8_WEIGHTS
 
     with torch.device("meta"):
-        tensors = Qwen4ExpForCausalLM(cfg).state_dict()
+        shapes = {name: tuple(t.shape) for name, t in Qwen4ExpForCausalLM(cfg).state_dict().items()}
+    floats8 = {name for name in shapes if name.endswith(FP8_WEIGHTS + (".ngram_embedding.weight",))}
+    return _kept_fp8({name: ([shapes[name][-1]], True) for name in floats8}, shapes, block)
+
+
+def _kept_fp8(found: dict[str, tuple[list[int], bool]], shapes: dict, block: tuple[int, int]) -> dict:
+    """{stack name: (block type, shape)} of the runtime tensors {name: (their pieces' widths, all float8)}."""
     stacks = {}
-    for name, tensor in tensors.items():
-        if name.endswith(KEPT_FP8):
-            table = name.endswith(".ngram_embedding.weight")
-            qtype = fp8.kept_type([tensor.shape[-1]], None if table else block)
-            if qtype is not None:
-                stacks[_stack_name(name)] = (qtype, tuple(tensor.shape))
+    for target, (widths, floats8) in found.items():
+        table = target.endswith(".ngram_embedding.weight")
+        qtype = fp8.kept_type(widths, None if table else block)
+        if floats8 and qtype is not None and kept_name(target) is not None:
+            stacks[kept_name(target)] = (qtype, tuple(shapes[target]))
     return stacks
-
-
-def _stack_name(target: str) -> str:
-    """The QuantizedStack a kept tensor becomes: the stack tensor itself, or for a table the embedding module."""
-    return target.removesuffix(".weight") if target.endswith(".ngram_embedding.weight") else target
 
 
 def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple[int, int] | None = None,
@@ -251,9 +244,9 @@ def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple
     scales, used = _scales(headers, block), set()
     for name, (file, shape, dtype) in headers.items():
         ref = layout.parse_disk_name(name)
-        stack = kept.get(_stack_name(ref.target))
+        stack = kept.get(kept_name(ref.target) or "")
         if stack is not None:       # the stack's dense shape for the checks, its blocks for the copy
-            ref = layout.DiskRef(ref.kind, _stack_name(ref.target) + ".blocks", ref.number, ref.proj)
+            ref = layout.DiskRef(ref.kind, kept_name(ref.target) + ".blocks", ref.number, ref.proj)
         if ref.kind == "visual":
             plan.report.skipped_visual += 1
             continue

@@ -58,13 +58,12 @@ def quantized_for(config: ModelConfig, gguf: str) -> dict:
     of `config` keeps float8 in it (checkpoint/fp8.py)."""
     from ...checkpoint import fp8
     from ...checkpoint.gguf_file import GGUFCheckpoint, is_gguf
-    from ...checkpoint.loader import KEPT_FP8
+    from ...checkpoint.loader import planned_fp8_stacks
 
-    if gguf in fp8.KEPT_TYPES:
-        with torch.device("meta"):
-            tensors = Qwen4ExpForCausalLM(config).state_dict()
-        return {name.removesuffix(".weight"): (gguf, tuple(t.shape)) for name, t in tensors.items()
-                if name.endswith(KEPT_FP8) and t.shape[-1] % fp8.KEPT_TYPES[gguf] == 0}
+    if gguf in fp8.KEPT_TYPES:      # every weight an FP8 checkpoint keeps float8, in this one type where it fits
+        run = fp8.KEPT_TYPES[gguf]
+        return {name: (gguf, shape) for name, (_, shape) in planned_fp8_stacks(config, (run, run)).items()
+                if shape[-1] % run == 0}
 
     return quantized_stacks(GGUFCheckpoint(gguf) if is_gguf(gguf) else PlannedFile(config, gguf), config)
 

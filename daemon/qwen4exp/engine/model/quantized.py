@@ -19,6 +19,24 @@ from torch import nn
 from . import quant_blocks
 
 
+_STACKS = (".experts.gate_up_proj", ".experts.down_proj")
+_LINEAR = ("lm_head.weight", ".q_proj.weight", ".k_proj.weight", ".v_proj.weight", ".o_proj.weight",
+           ".in_proj_qkv.weight", ".in_proj_z.weight", ".in_proj_b.weight", ".in_proj_a.weight", ".out_proj.weight",
+           ".input_mix_weight_down.weight", ".block_inject_weight.weight", ".shared_expert.gate_proj.weight",
+           ".shared_expert.up_proj.weight", ".shared_expert.down_proj.weight", ".key_proj.weight",
+           ".value_proj.weight")
+_TABLES = (".ple_embedding.ngram_embedding.weight", "model.embed_tokens.weight")
+
+
+def kept_name(target: str) -> str | None:
+    """The QuantizedStack a runtime tensor becomes where a checkpoint keeps it as blocks (a GGUF's, an FP8
+    checkpoint's): the expert stacks, the projections and the LM head themselves, the embedding modules of the
+    tables; None where the model takes no stack."""
+    if target.endswith(_STACKS + _LINEAR):
+        return target
+    return target.removesuffix(".weight") if target.endswith(_TABLES) else None
+
+
 class QuantizedStack(nn.Module):
     """A tensor of `shape` kept as `qtype` blocks, read by entries of its first axis (see the module's text)."""
 
