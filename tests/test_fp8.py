@@ -174,3 +174,30 @@ def test_init_checkpoint_writes_fp8_and_generate_serves_it(tmp_path, capsys):
     answer = json.loads(capsys.readouterr().out)
     model = load_model(str(out), dtype="float32", device="cpu", progress=False)
     assert answer["token_ids"] == generate(model, PROMPT, 6).output_ids
+
+
+def test_a_float8_ple_table_stays_float8_on_the_host_and_gives_its_twins_logits(tmp_path, monkeypatch):
+    """A PLE table whose rows take a block type (the tiny preset with 32-value rows: ple_embed_dim 512 over its 16
+    n-gram heads) stays float8 as FP8_B32 with its one scale, in host memory with ple_on_host, and the model gives
+    its float32 twin's logits."""
+    from qwen4exp.checkpoint import writer
+    from qwen4exp.engine.loading import quantized_ple_tables
+
+    real = writer.preset_config
+
+    def wide_ple(*args, **kwargs):
+        config = real(*args, **kwargs)
+        config["text_config"]["ple_embed_dim"] = 512
+        return config
+
+    monkeypatch.setattr(writer, "preset_config", wide_ple)
+    fp8_dir = write_random_checkpoint(tmp_path / "fp8", preset="tiny", seed=6, dtype=torch.float32, progress=False,
+                                      fp8_block=(128, 128))
+    quantized = load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False, ple_on_host=True)
+    [table] = quantized_ple_tables(quantized)
+    assert table.qtype == "FP8_B32" and table.host and table.shape[-1] == 32
+    twin = load_model(str(_twin(fp8_dir, tmp_path / "twin")), dtype="float32", device="cpu", progress=False)
+    assert torch.equal(table.dequantize(), twin.model.layers[1].ple.ple_embedding.ngram_embedding.weight)
+    states = [SequenceState(m.config, 128, "cpu", torch.float32) for m in (quantized, twin)]
+    logits = [m(torch.tensor(PROMPT), s, all_logits=True) for m, s in zip((quantized, twin), states)]
+    assert torch.equal(logits[0], logits[1])

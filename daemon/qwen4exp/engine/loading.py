@@ -29,7 +29,8 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 def quantized_ple_tables(model: torch.nn.Module) -> list[QuantizedStack]:
-    """The PLE n-gram tables kept as GGML blocks (a GGUF's): the ones that can live in host memory."""
+    """The PLE n-gram tables kept as blocks (a GGUF's, an FP8 checkpoint's): the ones that can live in host
+    memory."""
     return [module.ngram_embedding for module in model.modules()
             if isinstance(module, NGramEmbedding) and isinstance(module.ngram_embedding, QuantizedStack)]
 
@@ -45,8 +46,9 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
         keep_quantized(model, quantized or {}, dtype)
     hosted = quantized_ple_tables(model) if ple_on_host else []
     if ple_on_host and not hosted:
-        raise ValueError("ple = 'host' keeps a GGUF's quantized PLE table in host memory; this model's table is not "
-                         "quantized (a safetensors checkpoint, or a GGUF whose table is a float type)")
+        raise ValueError("ple = 'host' keeps a quantized PLE table (a GGUF's, or an FP8 checkpoint's) in host memory; "
+                         "this model's table is not quantized (a bfloat16 checkpoint, a GGUF whose table is a float "
+                         "type, or rows no block type takes)")
     for table in hosted:
         table.host = True                             # moved with nothing, then allocated on the host below
     model = model.to(dtype=dtype).to_empty(device=device)
