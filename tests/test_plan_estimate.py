@@ -95,7 +95,7 @@ def test_an_fp8_checkpoint_is_estimated_as_it_loads(tmp_path):
     """An FP8 checkpoint directory (its experts kept float8) estimates the weights the loaded model holds; the full
     model in FP8 (`--quant fp8`) keeps its experts as FP8_B128 and its PLE table as FP8_B32, and one H200 with 10%
     headroom holds no context even with the table in host memory (127.0 GiB of weights: docs/MODEL.md)."""
-    from qwen4exp.checkpoint.loader import planned_fp8_stacks
+    from qwen4exp.checkpoint.fp8_stacks import planned_fp8_stacks
     from qwen4exp.checkpoint.writer import write_random_checkpoint
     from qwen4exp.engine.fit_measure import weight_bytes
     from qwen4exp.engine.loading import load_model

@@ -146,7 +146,7 @@ class _Plan:
     ple: dict[str, dict[int, tuple[Path, str, tuple[int, ...], int]]] = field(default_factory=lambda: defaultdict(dict))
 
 
-def _headers(files: dict[str, Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+def headers(files: dict[str, Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
     """{name: (file, shape, dtype name)} read from the safetensors headers only."""
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, file in files.items():
@@ -192,47 +192,6 @@ def _scale_for(name: str, ref: layout.DiskRef, scales: dict, used: set) -> tuple
     return own
 
 
-def fp8_stacks(path: str | Path, config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """{stack name: (block type, dense shape)} of the tensors of an FP8 checkpoint that stay float8 on the device
-    (model/quantized.py's QuantizedStack, where the model takes one: `kept_name`): those whose every piece is float8
-    and whose widths a block type takes. Empty for another checkpoint."""
-    block = fp8.block_size(config, str(_root(path)))
-    if block is None:
-        return {}
-    pieces: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
-    for name, (_, shape, dtype) in _headers(checkpoint_files(path)).items():
-        target = layout.parse_disk_name(name).target
-        if kept_name(target) is not None:
-            pieces[target].append((dtype, shape))
-    shapes = {spec.name: spec.shape for spec in layout.runtime_specs(config)}
-    return _kept_fp8({target: ([shape[-1] for _, shape in found], all(d.startswith("F8") for d, _ in found))
-                      for target, found in pieces.items() if target in shapes}, shapes, block)
-
-
-def planned_fp8_stacks(cfg, block: tuple[int, int] = (128, 128)) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """What an FP8 checkpoint of model config `cfg` in Qwen's layout keeps float8 (its float8 weights: the writer's
-    FP8_WEIGHTS and the PLE table), as `fp8_stacks` decides it from a file: for an estimate of a checkpoint not at
-    hand."""
-    from ..engine.model.causal_lm import Qwen4ExpForCausalLM
-    from .writer import FP8_WEIGHTS
-
-    with torch.device("meta"):
-        shapes = {name: tuple(t.shape) for name, t in Qwen4ExpForCausalLM(cfg).state_dict().items()}
-    floats8 = {name for name in shapes if name.endswith(FP8_WEIGHTS + (".ngram_embedding.weight",))}
-    return _kept_fp8({name: ([shapes[name][-1]], True) for name in floats8}, shapes, block)
-
-
-def _kept_fp8(found: dict[str, tuple[list[int], bool]], shapes: dict, block: tuple[int, int]) -> dict:
-    """{stack name: (block type, shape)} of the runtime tensors {name: (their pieces' widths, all float8)}."""
-    stacks = {}
-    for target, (widths, floats8) in found.items():
-        table = target.endswith(".ngram_embedding.weight")
-        qtype = fp8.kept_type(widths, None if table else block)
-        if floats8 and qtype is not None and kept_name(target) is not None:
-            stacks[kept_name(target)] = (qtype, tuple(shapes[target]))
-    return stacks
-
-
 def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple[int, int] | None = None,
           kept: dict[str, Any] | None = None) -> _Plan:
     """`kept`: {runtime name: QuantizedStack} of the float8 stacks the model keeps as blocks (their `.blocks` are
@@ -240,9 +199,9 @@ def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple
     plan = _Plan()
     kept = kept or {}
     has_mtp = any(name.startswith(layout.MTP_PREFIX) for name in targets)
-    headers = _headers(files)
-    scales, used = _scales(headers, block), set()
-    for name, (file, shape, dtype) in headers.items():
+    found = headers(files)
+    scales, used = _scales(found, block), set()
+    for name, (file, shape, dtype) in found.items():
         ref = layout.parse_disk_name(name)
         stack = kept.get(kept_name(ref.target) or "")
         if stack is not None:       # the stack's dense shape for the checks, its blocks for the copy

@@ -102,7 +102,7 @@ def model_facts(model: str, quant: str | None, dtype: str) -> ModelFacts:
     from ..checkpoint.errors import CheckpointError
     from ..checkpoint.fp8 import block_size as fp8_block
     from ..checkpoint.gguf_loader import quantized_stacks
-    from ..checkpoint.loader import planned_fp8_stacks
+    from ..checkpoint.fp8_stacks import planned_fp8_stacks
     from ..checkpoint.gguf_writer import MIXES, ONE_TYPE, PlannedFile
     from .model.config import ConfigError, ModelConfig
 

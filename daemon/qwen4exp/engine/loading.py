@@ -8,7 +8,8 @@ import torch
 
 from ..checkpoint.gguf_file import GGUFCheckpoint, is_gguf
 from ..checkpoint.gguf_loader import load_gguf_weights, quantized_stacks
-from ..checkpoint.loader import fp8_stacks, load_weights, read_config
+from ..checkpoint.fp8_stacks import fp8_stacks
+from ..checkpoint.loader import load_weights, read_config
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
 from .model.ple import NGramEmbedding

@@ -58,7 +58,7 @@ def quantized_for(config: ModelConfig, gguf: str) -> dict:
     of `config` keeps float8 in it (checkpoint/fp8.py)."""
     from ...checkpoint import fp8
     from ...checkpoint.gguf_file import GGUFCheckpoint, is_gguf
-    from ...checkpoint.loader import planned_fp8_stacks
+    from ...checkpoint.fp8_stacks import planned_fp8_stacks
 
     if gguf in fp8.KEPT_TYPES:      # every weight an FP8 checkpoint keeps float8, in this one type where it fits
         run = fp8.KEPT_TYPES[gguf]
