@@ -540,9 +540,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default="bench", choices=("tiny", "bench", "full"), help="with --random-weights")
     p.add_argument("--layers", type=int, default=None, help="with --random-weights: cut the preset to N layers")
     p.add_argument("--seed", type=int, default=0, help="with --random-weights")
-    p.add_argument("--quant", default=None, choices=MIXES + ONE_TYPE,
+    p.add_argument("--quant", default=None, choices=MIXES + ONE_TYPE + ("fp8",),
                    help="with --random-weights: the weights a GGUF of this mix keeps quantized are random blocks, "
-                        "built in place (--preset full --quant ud-q4_k_xl: the full model as users run it)")
+                        "built in place (--preset full --quant ud-q4_k_xl: the full model as users run it); fp8: "
+                        "the float8 weights of Qwen's FP8 checkpoint, as random FP8 blocks")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--device", default="auto")
     p.add_argument("--out", required=True, help="the results JSON")

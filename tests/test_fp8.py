@@ -201,3 +201,20 @@ def test_a_float8_ple_table_stays_float8_on_the_host_and_gives_its_twins_logits(
     states = [SequenceState(m.config, 128, "cpu", torch.float32) for m in (quantized, twin)]
     logits = [m(torch.tensor(PROMPT), s, all_logits=True) for m, s in zip((quantized, twin), states)]
     assert torch.equal(logits[0], logits[1])
+
+
+def test_a_random_fp8_model_is_built_in_place_with_its_mtp_head():
+    """random_model(quant="fp8"), what a benchmark of the full FP8 model builds on a device without its 173 GiB: the
+    float8 weights an FP8 checkpoint keeps as random FP8 blocks (no NaN byte, the dense draw's spread), the MTP head
+    kept, finite logits with a spread."""
+    from qwen4exp.checkpoint.fp8_stacks import planned_fp8_stacks
+    from qwen4exp.checkpoint.random_weights import random_model
+
+    model = random_model("tiny", dtype="float32", device="cpu", quant="fp8")
+    kept = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedStack)}
+    assert {name: (m.qtype, m.shape) for name, m in kept.items()} == planned_fp8_stacks(model.config)
+    assert model.mtp is not None and any(name.startswith("mtp.") for name in kept)
+    experts = kept["model.layers.0.mlp.experts.gate_up_proj"].dequantize()
+    assert not experts.isnan().any() and 0.5 < float(experts.std()) * 64 ** 0.5 < 2
+    logits = model(torch.tensor(PROMPT), SequenceState(model.config, 64, "cpu", torch.float32))
+    assert torch.isfinite(logits).all() and float(logits.std()) > 0.1

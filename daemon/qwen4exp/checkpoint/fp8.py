@@ -128,3 +128,21 @@ def random_blocks(qtype: str, shape: tuple[int, ...], std: float, seed: int):
     flat = values.reshape(-1, shape[-1])
     weight, scale = quantize(flat, (1, run))
     return to_blocks(weight, scale, (1, run), qtype).reshape(*shape[:-1], -1).numpy()
+
+
+def _unit_spread() -> float:
+    """The standard deviation of float8 e4m3's finite values, each byte equally likely."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FLOAT8).to(torch.float32)
+    return float(values[~values.isnan()].std())
+
+
+def fill_random_blocks(blocks: torch.Tensor, qtype: str, std: float, seed: int) -> None:
+    """Random `qtype` blocks in place (uint8 [..., row bytes], on any device): every float8 byte but NaN's, under one
+    scale that gives the values a spread of `std` (a random-weight model too large for a checkpoint on disk)."""
+    run = KEPT_TYPES[qtype]
+    blocks.random_(0, 256, generator=torch.Generator(device=blocks.device).manual_seed(seed))
+    view = blocks.view(-1, 4 + run)
+    values = view[:, 4:]
+    values.masked_fill_((values & 0x7F) == 0x7F, 0x7E)                 # 0x7F and 0xFF are NaN in e4m3fn
+    scale = torch.tensor([std / _unit_spread()], dtype=torch.float32).view(torch.uint8)
+    view[:, :4] = scale.to(blocks.device)

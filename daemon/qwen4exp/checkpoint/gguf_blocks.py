@@ -70,6 +70,9 @@ def fill_random_blocks(blocks, qtype: str, std: float, seed: int) -> None:
 
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    if qtype.startswith("FP8_"):
+        from .fp8 import fill_random_blocks as fill_fp8
+        return fill_fp8(blocks, qtype, std, seed)
     size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
     blocks.random_(0, 256, generator=torch.Generator(device=blocks.device).manual_seed(seed))
     view = blocks.view(-1, size)

@@ -21,6 +21,7 @@ from ..engine.model.causal_lm import Qwen4ExpForCausalLM
 from ..engine.model.config import ModelConfig
 from ..engine.model.quantized import QuantizedStack
 from . import layout
+from .fp8_stacks import planned_fp8_stacks
 from .gguf_blocks import fill_random_blocks
 from .gguf_loader import quantized_stacks
 from .gguf_writer import PlannedFile
@@ -71,15 +72,20 @@ def random_model(preset: str = "bench", layers: int | None = None, dtype: torch.
     preset, layers, seed, dtype and device, so numerically sane in the same way (finite logits with a
     visible spread; routers that change experts from token to token). With `quant` (a GGUF mix or block type,
     gguf_writer), the weights a GGUF of that mix keeps quantized are random blocks instead, built in place (the
-    full model at UD-Q4_K_XL without the 104 GiB file), and there is no MTP head, as in a GGUF."""
+    full model at UD-Q4_K_XL without the 104 GiB file), and there is no MTP head, as in a GGUF. With quant "fp8",
+    the weights Qwen's FP8 checkpoint keeps float8 are random FP8 blocks (the full model in FP8 without its 173 GiB;
+    the MTP head kept)."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     device = device if isinstance(device, torch.device) else resolve_device(device)
     config = preset_config(preset, layers, dtype=_dtype_label(dtype))
     text = config["text_config"]
-    if quant:
+    if quant and quant != "fp8":
         text["mtp_num_hidden_layers"] = 0          # llama.cpp's converter drops the MTP head
     cfg = ModelConfig.from_dict(config, source=f"preset {preset!r}")
-    quantized = quantized_stacks(PlannedFile(cfg, quant), cfg) if quant else None
+    if quant == "fp8":
+        quantized = planned_fp8_stacks(cfg)
+    else:
+        quantized = quantized_stacks(PlannedFile(cfg, quant), cfg) if quant else None
     model = build_model(cfg, dtype, device, quantized)
     fill_random(model, text, seed, dtype, progress=progress)
     fill_random_stacks(model, seed)
