@@ -61,19 +61,24 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
                ) -> torch.Tensor:
     """float8 [out, in] and its scales [ceil(out/rows), ceil(in/cols)] -> float32; block None: one global scale
     (the PLE table's)."""
-    values = weight.to(torch.float32)
+    return weight.to(torch.float32) * value_scales(scale, tuple(weight.shape), block, name)
+
+
+def value_scales(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int] | None, name: str = "a weight"
+                 ) -> torch.Tensor:
+    """Each value's float32 scale for a weight of `shape`: its block's ([ceil(out/rows), ceil(in/cols)] scales), or
+    the one global scale (block None), broadcastable to the weight."""
     if block is None:
         if scale.numel() != 1:
             raise CheckpointError(f"{name}{SCALE_SUFFIX} has shape {list(scale.shape)}; the PLE table's float8 "
                                   f"shards take one global scale")
-        return values * scale.to(torch.float32).reshape(())
-    rows, cols = weight.shape
+        return scale.to(torch.float32).reshape(())
+    rows, cols = shape
     expected = (-(-rows // block[0]), -(-cols // block[1]))
     if tuple(scale.shape) != expected:
-        raise CheckpointError(f"{name}{SCALE_SUFFIX} has shape {list(scale.shape)}; {name} {list(weight.shape)} in "
+        raise CheckpointError(f"{name}{SCALE_SUFFIX} has shape {list(scale.shape)}; {name} {list(shape)} in "
                               f"blocks of {list(block)} needs {list(expected)}")
-    per_value = scale.to(torch.float32).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-    return values * per_value
+    return scale.to(torch.float32).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
 
 
 def quantize(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,8 +132,7 @@ def _fp8_parts(spec, piece, seed: int, device: str, block: tuple[int, int], scal
     else:
         scale = fp8.quantize(drawn, block)[1].to(scale_dtype)
     # The values are divided by the scale as stored (a bfloat16 one is rounded), within e4m3's range.
-    per_value = fp8.dequantize(torch.ones(drawn.shape, dtype=fp8.FLOAT8), scale.to(drawn.device),
-                               None if _fp8(spec) == "global" else block)
+    per_value = fp8.value_scales(scale.to(drawn.device), tuple(drawn.shape), None if _fp8(spec) == "global" else block)
     values = (drawn / per_value).clamp(-fp8.FLOAT8_MAX, fp8.FLOAT8_MAX).to(fp8.FLOAT8)
     tensors = [values.cpu(), scale.cpu()]
     return zip(parts, tensors[:len(parts)])
