@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from ..engine.model.quantized import kept_name
+from ..engine.model.quantized import QuantizedStack, kept_name
 from . import fp8, layout
 from .errors import CheckpointError
 
@@ -203,9 +203,10 @@ def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple
     scales, used = _scales(found, block), set()
     for name, (file, shape, dtype) in found.items():
         ref = layout.parse_disk_name(name)
-        stack = kept.get(kept_name(ref.target) or "")
+        stack_name = kept_name(ref.target)
+        stack = kept.get(stack_name) if stack_name is not None else None
         if stack is not None:       # the stack's dense shape for the checks, its blocks for the copy
-            ref = layout.DiskRef(ref.kind, kept_name(ref.target) + ".blocks", ref.number, ref.proj)
+            ref = layout.DiskRef(ref.kind, stack_name + ".blocks", ref.number, ref.proj)
         if ref.kind == "visual":
             plan.report.skipped_visual += 1
             continue
@@ -283,8 +284,13 @@ def _missing(plan: _Plan, targets: dict[str, torch.Tensor]) -> list[str]:
     return missing
 
 
-def _tensor(file: Path, name: str, device: str) -> torch.Tensor:
-    with safe_open(str(file), framework="pt", device=device) as f:
+def _scale(opened, file: Path, scale: tuple[Path, str], device: str) -> torch.Tensor:
+    """A float8 weight's scales: from the open file `opened` (of `file`) where they sit beside the weight, as they
+    usually do, else from their own file (opened for this one small tensor)."""
+    scale_file, name = scale
+    if scale_file == file:
+        return opened.get_tensor(name)
+    with safe_open(str(scale_file), framework="pt", device=device) as f:
         return f.get_tensor(name)
 
 
@@ -308,7 +314,7 @@ def load_weights(
     root = _root(path)
     targets = module.state_dict(keep_vars=True)
     block = fp8.block_size(read_config(path), str(root))
-    kept = {name: m for name, m in module.named_modules() if type(m).__name__ == "QuantizedStack"}
+    kept = {name: m for name, m in module.named_modules() if isinstance(m, QuantizedStack)}
     plan = _plan(checkpoint_files(path), targets, block, kept)
     if plan.unexpected:
         raise CheckpointError(
@@ -335,7 +341,7 @@ def load_weights(
                 tensor = f.get_tensor(copy.disk)
                 if copy.scale is not None:       # the PLE table's shards have one global scale
                     table = layout.parse_disk_name(copy.disk).kind == "ple_shard"
-                    scale, per = _tensor(*copy.scale, staging), None if table else block
+                    scale, per = _scale(f, file, copy.scale, staging), None if table else block
                     tensor = fp8.to_blocks(tensor, scale, per, copy.kept) if copy.kept else \
                         fp8.dequantize(tensor, scale, per, copy.disk)
                 if tensor.is_floating_point():
