@@ -157,17 +157,25 @@ def test_the_bench_workspace_by_rows_matches_the_recorded_sweep():
 
 
 # ---- the three boxes ------------------------------------------------------------------------------------------------
-def test_the_seeds_box_answers_for_the_target_and_for_a_split(capsys):
+def test_the_seeds_box_is_served_split_at_262144_where_the_target_alone_fits_nothing(capsys):
     doc = run_plan(capsys, "--estimate", "--profile", str(ROOT / "profiles" / "qwen-next-r9700-strix.toml"),
                    "--model", "full", "--quant", "ud-q4_k_xl")
     assert [d["total"] for d in doc["devices"]] == [32 << 30, 128 << 30]
-    assert doc["context"] is None and "the weights alone" in doc["error"]      # 76.8 GiB on a 32 GiB card
+    alone = doc["target_alone"]
+    assert alone["context"] is None and "the weights alone" in alone["error"]      # 76.8 GiB on a 32 GiB card
+    # The seed fits 131072 x 4 on this box with every cache on the R9700; with the split layers' caches on the
+    # iGPU, the trained context x 4 (the issue's goal).
     split = doc["split"]
-    assert split["served"] is False and split["context"] >= 4096 and split["ple"] in ("device", "host")
-    assert split["split_layers"]["cuda:1"]["bytes"] > 0
+    assert split["served"] is True and doc["context"] == split["context"] == 262144 and doc["ple"] == "host"
+    held = split["split_layers"]["cuda:1"]
+    assert held["last"] == 47 and 0 < held["first"] and held["bytes"] > 0
+    # Each device's budget in the plan: the iGPU holds its layers' weights and their caches.
+    devices = {d["name"]: d for d in doc["plan"]["devices"]}
+    assert devices["cuda:1"]["weights"] == held["bytes"] and devices["cuda:1"]["caches"] > 20 << 30
     text = main_text(capsys, "--estimate", "--profile", str(ROOT / "profiles" / "qwen-next-r9700-strix.toml"),
                      "--model", "full", "--quant", "ud-q4_k_xl")
-    assert "NOT SERVED" in text and "no context fits" in text
+    assert "the target alone (no split): no context fits" in text
+    assert f"layers {held['first']}..47" in text and "serving: context 262144 a slot" in text
 
 
 def test_one_h200_answers_262144_with_the_ple_table_in_host_memory(capsys):
@@ -180,8 +188,9 @@ def test_one_h200_answers_262144_with_the_ple_table_in_host_memory(capsys):
 def test_two_24gb_cards_answer_that_the_full_model_does_not_fit(capsys):
     doc = run_plan(capsys, "--estimate", "--model", "full", "--quant", "ud-q4_k_xl", "--devices",
                    "target=24GiB,split=24GiB")
-    assert doc["context"] is None and "do not fit" in doc["error"]
-    assert doc["split"]["context"] is None and "do not fit" in doc["split"]["error"]
+    assert doc["target_alone"]["context"] is None and "do not fit" in doc["target_alone"]["error"]
+    assert doc["context"] is None and doc["split"]["context"] is None and "do not fit" in doc["split"]["error"]
+    assert doc["split"]["split_layers"]["split"]["last"] == 47      # as many layers as the second card holds
     assert {t["ple"] for t in doc["tried"]} == {"device", "host"}
 
 

@@ -159,13 +159,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _measured_json(m) -> dict[str, Any]:
+    return {"device": m.device, "capacity": m.capacity, "capacity_source": m.capacity_source, "weights": m.weights,
+            "slot_bytes_per_position": m.slot_bytes_per_position, "slot_fixed": m.slot_fixed,
+            "workspace": [list(s) for s in m.workspace]}
+
+
 def _as_json(header: dict[str, Any], result) -> dict[str, Any]:
-    m = result.measured
     return {**header, "context": result.context, "chunk": result.chunk, "seconds": round(result.seconds, 3),
-            "measured": {"capacity": m.capacity, "capacity_source": m.capacity_source, "weights": m.weights,
-                         "slot_bytes_per_position": m.slot_bytes_per_position, "slot_fixed": m.slot_fixed,
-                         "workspace": [list(s) for s in m.workspace]},
-            "verifications": [{"context": v.context, "rows": v.rows, "needed": v.needed,
+            "measured": _measured_json(result.measured),
+            "measured_split": [_measured_json(m) for m in result.split],
+            "verifications": [{"device": v.device, "context": v.context, "rows": v.rows, "needed": v.needed,
                                "available": v.available, "fits": v.fits, "out_of_memory": v.out_of_memory}
                               for v in result.verifications],
             "notes": result.notes, "plan": result.plan.to_dict()}
@@ -174,21 +178,25 @@ def _as_json(header: dict[str, Any], result) -> dict[str, Any]:
 def _as_text(header: dict[str, Any], result) -> str:
     from .engine.memory import human_size
 
-    m = result.measured
     shown = dict(header, device_memory_limit=human_size(header["device_memory_limit"])
                  if header["device_memory_limit"] is not None else None)
     lines = [" ".join(f"{k}={v}" for k, v in shown.items() if v is not None), "",
              f"serving: context {result.context}, prompt chunk {result.chunk} rows "
-             f"(fitted in {result.seconds:.1f} s)", "", result.plan.table().rstrip(), "",
-             f"measured on {m.device}:",
-             f"- capacity {human_size(m.capacity)} ({m.capacity_source})",
-             f"- weights {human_size(m.weights)}",
-             f"- one slot: {m.slot_bytes_per_position} B/position + {human_size(m.slot_fixed)} fixed "
-             f"(a snapshot of P positions is the same size as a slot of capacity P)"]
-    lines += [f"- floor chunk workspace at {pos}: {human_size(ws)}" for pos, ws in m.workspace]
+             f"(fitted in {result.seconds:.1f} s)", "", result.plan.table().rstrip()]
+    for m in (result.measured, *result.split):
+        lines += ["", f"measured on {m.device}:",
+                  f"- capacity {human_size(m.capacity)} ({m.capacity_source})",
+                  f"- weights {human_size(m.weights)}",
+                  f"- one slot: {m.slot_bytes_per_position} B/position + {human_size(m.slot_fixed)} fixed"
+                  + (" (a snapshot of P positions is the same size as a slot of capacity P)" if not result.split
+                     else "")]
+        lines += [f"- floor chunk workspace at {pos}: {human_size(ws)}" for pos, ws in m.workspace]
+    if result.split:
+        lines.append("")
     for v in result.verifications:
         verdict = "out of memory" if v.out_of_memory else ("fits" if v.fits else "miss")
-        lines.append(f"- verified {v.context} with a {v.rows}-row chunk at the last position: needed "
+        where = f" on {v.device}" if result.split else ""
+        lines.append(f"- verified {v.context}{where} with a {v.rows}-row chunk at the last position: needed "
                      f"{human_size(v.needed)} of {human_size(v.available)}: {verdict}")
     if not result.verifications:
         lines.append("- not verified (--no-verify)")
@@ -270,7 +278,8 @@ def _fit_json(fit) -> dict[str, Any]:
 def estimate_json(est) -> dict[str, Any]:
     from .engine.fit_estimate import chunk_workspace
 
-    f, fit = est.facts, est.fit
+    # What `serve` gets: with split devices, the split (the target alone is beside it).
+    f, fit = est.facts, est.split or est.fit
     at = fit.context if fit.context is not None else None
     return {"estimate": True, "model": f.label, "quant": f.quant, "dtype": f.dtype, "backend": est.backend,
             "slots": est.slots, "chunk_asked": est.chunk, "chunk_floor": est.chunk_floor, "headroom": est.headroom,
@@ -284,7 +293,8 @@ def estimate_json(est) -> dict[str, Any]:
             "context": fit.context, "chunk": fit.chunk, "ple": fit.ple, "error": fit.error,
             "host_memory_for_ple": f.ple_table if fit.ple == "host" else 0,
             "tried": [_fit_json(t) for t in est.tried], "plan": fit.plan.to_dict() if fit.plan is not None else None,
-            "split": None if est.split is None else {**_fit_json(est.split), "served": False,
+            "target_alone": None if est.split is None else _fit_json(est.fit),
+            "split": None if est.split is None else {**_fit_json(est.split), "served": True,
                                                       "tried": [_fit_json(t) for t in est.split_tried]},
             "notes": est.notes}
 
@@ -300,12 +310,13 @@ def estimate_text(est) -> str:
              f"ple={est.ple} headroom={est.headroom:.0%}",
              "estimate: from the config alone; no weights loaded, no device touched, nothing verified", "",
              f"target: {est.target.describe()}: capacity {human_size(est.target.capacity)}"]
+    alone = "serving" if est.split is None else "the target alone (no split)"
     if fit.context is not None:
-        lines += [f"serving: context {fit.context} a slot, prompt chunk {fit.chunk} rows, PLE table {where[fit.ple]}"
+        lines += [f"{alone}: context {fit.context} a slot, prompt chunk {fit.chunk} rows, PLE table {where[fit.ple]}"
                   + (f" ({human_size(f.ple_table)} of host memory)" if fit.ple == "host" else ""), "",
                   fit.plan.table().rstrip()]
     else:
-        lines.append(f"serving: no context fits: {fit.error}")
+        lines.append(f"{alone}: no context fits: {fit.error}")
     lines += ["", "estimated inputs:",
               f"- weights {human_size(f.weights)}" + (f", of which the PLE table {human_size(f.ple_table)}"
                                                        if f.ple_table else "")
@@ -322,19 +333,20 @@ def estimate_text(est) -> str:
     lines += [f"- {note}" for note in est.notes]
     if est.split is not None:
         s = est.split
-        lines += ["", "split devices: NOT SERVED. The engine does not place layers on a `split` device yet (the role "
-                      "is in the profile schema, nothing in engine/ reads it); the planner's multi-device budget "
-                      "says what a split would hold, if layers were placed as follows:"]
+        lines += ["", "split devices: served with the layers placed as the planner chose them (the most context; "
+                      "the fewest layers off the target on a tie); each layer's caches sit with it, and the chunk "
+                      "runs on every device. `serve` chooses again from the memory each device has free:"]
         for split in est.splits:
             held = s.split_layers.get(split.name)
             lines.append(f"- {split.describe()}: " + (f"layers {held[0]}..{held[1]} ({human_size(held[2])})" if held
-                                                      else "no whole layer fits"))
-        lines.append(f"- the target keeps {human_size(s.weights)} of weights, every slot's caches and the chunk")
+                                                      else "no layers (the target holds them)"))
+        lines.append(f"- the target keeps {human_size(s.weights)} of weights (the embedding, the LM head, the MTP "
+                     f"head and the layers not split off), their caches and every slot's snapshots where they live")
         for tried in est.split_tried:
             answer = f"context {tried.context}, chunk {tried.chunk}" if tried.context is not None else tried.error
             lines.append(f"- tried: PLE table {where[tried.ple]}: {answer}")
-        lines.append(f"- answer: context {s.context} a slot, prompt chunk {s.chunk} rows, PLE table {where[s.ple]}"
-                     if s.context is not None else f"- answer: no context fits: {s.error}")
+        lines.append(f"serving: context {s.context} a slot, prompt chunk {s.chunk} rows, PLE table {where[s.ple]}"
+                     if s.context is not None else f"serving: no context fits: {s.error}")
         if s.plan is not None:
             lines += ["", s.plan.table().rstrip()]
     return "\n".join(lines)

@@ -65,7 +65,7 @@ def fill_random_stacks(model: Qwen4ExpForCausalLM, seed: int) -> int:
 
 def random_model(preset: str = "bench", layers: int | None = None, dtype: torch.dtype | str = torch.bfloat16,
                  device: str | torch.device | None = None, seed: int = 0, progress: bool = False,
-                 quant: str | None = None) -> Qwen4ExpForCausalLM:
+                 quant: str | None = None, placement=None, ple_on_host: bool = False) -> Qwen4ExpForCausalLM:
     """The model of `preset` (optionally cut to `layers` layers) with random weights, built on `device`.
 
     Equal, tensor for tensor, to loading a checkpoint that `write_random_checkpoint` wrote with the same
@@ -74,7 +74,8 @@ def random_model(preset: str = "bench", layers: int | None = None, dtype: torch.
     gguf_writer), the weights a GGUF of that mix keeps quantized are random blocks instead, built in place (the
     full model at UD-Q4_K_XL without the 104 GiB file), and there is no MTP head, as in a GGUF. With quant "fp8",
     the weights Qwen's FP8 checkpoint keeps float8 are random FP8 blocks (the full model in FP8 without its 173 GiB;
-    the MTP head kept)."""
+    the MTP head kept). `placement` and `ple_on_host` are build_model's: layers built on split devices in place
+    (the full model over two GPUs), a quantized PLE table in host memory."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     device = device if isinstance(device, torch.device) else resolve_device(device)
     config = preset_config(preset, layers, dtype=_dtype_label(dtype))
@@ -86,7 +87,7 @@ def random_model(preset: str = "bench", layers: int | None = None, dtype: torch.
         quantized = planned_fp8_stacks(cfg)
     else:
         quantized = quantized_stacks(PlannedFile(cfg, quant), cfg) if quant else None
-    model = build_model(cfg, dtype, device, quantized)
+    model = build_model(cfg, dtype, device, quantized, ple_on_host, placement)
     fill_random(model, text, seed, dtype, progress=progress)
     fill_random_stacks(model, seed)
     return model

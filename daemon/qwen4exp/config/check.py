@@ -109,6 +109,10 @@ def _device_warnings(settings: Settings) -> list[str]:
                        f"slots' caches for its memory; name 'cpu' for pinned system memory instead")
     if settings.target.kind == "cuda" and settings.dtype == "float32":
         out.append("dtype: float32 on a GPU doubles the weights' memory; bfloat16 is the serving dtype")
+    if settings.target.kind == "cuda" and any(d.kind == "cpu" for d in settings.split_devices):
+        out.append("devices: layers split off to cpu run the torch forms on the host's cores, far slower than on the "
+                   "GPU, and decode steps then run without a CUDA graph; the planner puts layers there only when the "
+                   "GPU cannot hold the context")
     return out
 
 

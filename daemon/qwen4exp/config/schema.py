@@ -122,9 +122,10 @@ class Device(_Table):
         ..., "'cpu' or 'cuda:N'", "A torch device: `cpu` or `cuda:N` (ROCm GPUs are `cuda:N` too).")
     role: Annotated[tuple[Literal["target", "split", "snapshots"], ...], BeforeValidator(_roles)] = _field(
         ..., "'target', 'split', 'snapshots' or a list of them",
-        "What the device does: `target` runs the slots and holds their caches (exactly one device); `split` "
-        "holds part of the model's weights beside the target; `snapshots` holds the prefix snapshots "
-        "(at most one; `cpu` means pinned system memory).")
+        "What the device does: `target` runs the slots, the embedding, the LM head and the layers it keeps, with "
+        "their caches (exactly one device); `split` holds a run of whole decoder layers and their caches beside the "
+        "target, as many as the planner places there (none when the target holds them all); `snapshots` holds the "
+        "prefix snapshots (at most one; `cpu` means pinned system memory).")
     memory_limit: OptionalSize = _field(
         None, "a size like '30GiB', or 'none'",
         "Cap on what qwen4exp allocates on this device; overrides `device_memory_limit` for it.")

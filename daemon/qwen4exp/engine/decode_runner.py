@@ -68,9 +68,12 @@ class DecodeRunner:
         self._logits: torch.Tensor | None = None
         self.capture_seconds = 0.0
         # torch.compile fuses the step's many small element-wise kernels (GPU only; traced once per engine).
-        self._step = torch.compile(model.decode_rows_impl, dynamic=False) if compile and pinned else \
-            model.decode_rows_impl
-        if graph and device.type == "cuda":
+        self._step = torch.compile(model.decode_rows_impl, dynamic=False) if compile and pinned and \
+            not model.spans_devices else model.decode_rows_impl
+        if graph and device.type == "cuda" and model.spans_devices:
+            # One graph captures one device's stream; a split model's step hands its streams across devices.
+            log.info("decode step runs eagerly: the model's layers span %s", model.placement.describe())
+        elif graph and device.type == "cuda":
             self._capture()
 
     def _run(self) -> torch.Tensor:

@@ -12,13 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .limits import AUTO_DRAFTS, MAX_DRAFTS, MAX_SLOTS
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-# A decode step runs every slot as a row; up to row_products.MAX_ROWS rows its dense products stay on the row
-# kernel, which reads each weight once at memory bandwidth (more rows would go to F.linear). The profile schema
-# says the same number (config/schema.py; tests/test_config.py holds them together).
-MAX_SLOTS = 16
-MAX_DRAFTS = 7        # most drafted tokens per slot and step (speculative.py)
-AUTO_DRAFTS = 3       # what mtp = "auto" drafts where drafting pays
 
 
 def _size(tables) -> str:
@@ -64,6 +60,8 @@ class EngineConfig:
     batch_prompts: bool = False           # several slots' prompt chunks in one forward (engine.py)
     ple: str = "auto"                     # where a GGUF's quantized PLE table lives: "device", "host", or "auto"
     mtp: int | str = "auto"               # most drafted tokens per slot and step, or "auto" (speculative.py)
+    split: tuple[tuple[str, int | None], ...] = ()   # devices holding layers beside the target: (name, memory limit)
+    placement: Any = None                 # placement.Placement once decided (a reload keeps it), else None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -88,6 +86,11 @@ class EngineConfig:
             raise ValueError(f"engine setting ple must be 'auto', 'device' or 'host', got {self.ple!r}")
         if self.mtp != "auto":
             _whole("mtp", self.mtp, 0, MAX_DRAFTS)
+        for entry in self.split:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]
+                    and entry[0] != self.device and (entry[1] is None or isinstance(entry[1], int))):
+                raise ValueError(f"engine setting split must list (device, memory limit or None) pairs of devices "
+                                 f"other than the target, got {entry!r}")
         for key in ("prefix_cache", "cuda_graphs", "compile_decode", "decode_beside_prompts", "batch_prompts"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"engine setting {key} must be true or false, got {getattr(self, key)!r}")
@@ -105,7 +108,8 @@ class EngineConfig:
                    prefix_cache_limit=cache.resident_limit, device_memory_limit=settings.memory_limit_for(target),
                    queue_limit=settings.server.queue_limit, cuda_graphs=settings.cuda_graphs,
                    compile_decode=settings.compile_decode, decode_beside_prompts=settings.decode_beside_prompts,
-                   batch_prompts=settings.batch_prompts, ple=settings.ple, mtp=settings.mtp)
+                   batch_prompts=settings.batch_prompts, ple=settings.ple, mtp=settings.mtp,
+                   split=tuple((d.name, settings.memory_limit_for(d)) for d in settings.split_devices))
 
     @property
     def spacing(self) -> int:
@@ -123,8 +127,9 @@ class EngineConfig:
         return "bfloat16" if device.type == "cuda" else "float32"
 
     def load_model(self, progress: bool = False):
-        """(device, model): the device's memory limit set first, so the load already stays under it, then the
-        checkpoint loaded there in this config's dtype."""
+        """(device, model): the devices' memory limits set first, so the load already stays under them, then the
+        checkpoint loaded in this config's dtype: on the target, or with `split` devices placed over them all
+        (`choose_placement`, unless a placement was kept from an earlier load)."""
         from .loading import load_model
         from .memory import set_device_memory_limit
 
@@ -132,8 +137,39 @@ class EngineConfig:
             raise ValueError("engine setting model is not set: there is no checkpoint to load")
         device = self.torch_device()
         set_device_memory_limit(device, self.device_memory_limit)
+        for name, limit in self.split:
+            set_device_memory_limit(name, limit)
+        placement, ple_on_host = self.placement, self.ple == "host"
+        if self.split and placement is None:
+            placement, ple_on_host = self.choose_placement(device)
         return device, load_model(self.model, dtype=self.dtype_on(device), device=device, progress=progress,
-                                  ple_on_host=self.ple == "host")
+                                  ple_on_host=ple_on_host, placement=placement)
+
+    def choose_placement(self, device, facts=None):
+        """(placement.Placement, whether the PLE table goes to host memory) for the split devices: the planner's
+        choice over the model's byte counts (fit_estimate.estimate_plan, as `plan --estimate` shows it; `facts`:
+        fit_estimate.ModelFacts, else read from the checkpoint) with each device's capacity read now, before
+        anything is loaded. The context is fitted on the devices after."""
+        from .fit import FitError
+        from .fit_estimate import EstimateError, estimate_plan, measured_size, model_facts
+        from .placement import Placement
+        from .snapshot import snapshots_share_device_memory
+
+        try:
+            facts = facts or model_facts(self.model, None, self.dtype_on(device))
+            est = estimate_plan(facts, measured_size("target", device, self.device_memory_limit),
+                                tuple(measured_size("split", name, limit) for name, limit in self.split),
+                                slots=self.slots, chunk=self.chunk, ple=self.ple, max_ctx=self.max_ctx,
+                                snapshots_on_device=snapshots_share_device_memory(device), mtp=self.mtp)
+        except EstimateError as err:
+            raise FitError(f"placing layers on {', '.join(name for name, _ in self.split)}: {err}") from None
+        fit = est.split
+        if fit.context is None:
+            raise FitError(f"no placement over {device} and {', '.join(name for name, _ in self.split)} fits a "
+                           f"context: {fit.error}")
+        counts = [(name, fit.split_layers[name][1] - fit.split_layers[name][0] + 1 if name in fit.split_layers
+                   else 0) for name, _ in self.split]
+        return Placement.with_split(str(device), facts.cfg.num_hidden_layers, counts), fit.ple == "host"
 
     def fit_settings(self, device) -> dict[str, Any]:
         """The context fit's inputs for this engine on `device`, the same for `serve` and `plan`: the slots, the
@@ -157,7 +193,8 @@ class EngineConfig:
         settings = self.fit_settings(device) | {"draft_positions": resolve_mtp(self.mtp, model)} | fit_overrides
         choice = resolve_max_ctx(self.max_ctx, model, **settings)
         tables = [table for table in quantized_ple_tables(model) if not table.host]
-        if (self.ple != "auto" or device.type != "cuda" or not tables or choice.fit is None
+        # A split model's table went where choose_placement put it, before the load.
+        if (self.ple != "auto" or device.type != "cuda" or not tables or choice.fit is None or self.split
                 or choice.context >= model.config.max_position_embeddings):
             return choice
         for table in tables:
@@ -172,18 +209,23 @@ class EngineConfig:
             table.to(device)
         return choice
 
-    def with_ple_where_it_is(self, model) -> "EngineConfig":
-        """This config with `ple = "auto"` replaced by where the model's quantized PLE table is now. A context
-        fitted with the table in host memory counts on it staying there: a later load (an unpark, a restarted
-        worker) keeps the fitted context without fitting again, so it must put the table where the fit found it."""
+    def as_loaded(self, model) -> "EngineConfig":
+        """This config with what the load decided written in: `ple = "auto"` replaced by where the model's quantized
+        PLE table is now, and a split model's placement. A context fitted for them counts on them: a later load
+        (an unpark, a restarted worker) keeps the fitted context without fitting again, so it must load the same."""
         from dataclasses import replace
 
         from .loading import quantized_ple_tables
 
+        config = self
+        if self.split and self.placement is None:     # none split off: every layer on the target
+            from .placement import Placement
+            config = replace(config, placement=model.placement or Placement.single(self.torch_device(),
+                                                                                   len(model.model.layers)))
         tables = quantized_ple_tables(model)
         if self.ple != "auto" or not tables:
-            return self
-        return replace(self, ple="host" if all(table.host for table in tables) else "device")
+            return config
+        return replace(config, ple="host" if all(table.host for table in tables) else "device")
 
     def new_prefix_cache(self, model, device):
         """A prefix cache for this engine (it outlives an engine: a park keeps it), or None when it is off."""

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _core
-from .fit_measure import (Verification, measure_state, measure_workspace, usable_capacity, verify_context,
-                          warm_up, weight_bytes)
+from .fit_measure import (Verification, device_names, measure_states, measure_workspace, placed_weight_bytes,
+                          usable_capacity, verify_context, warm_up)
 from .memory import DeviceMemoryError, as_device, device_memory_limit, human_size, run_with_oom_retry
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
@@ -60,6 +60,7 @@ class FitResult:
     planner: _core.Planner | None = None        # the final budget model: evaluate(context + step) misses
     verifications: list[Verification] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    split: tuple[Measured, ...] = ()             # what was measured on each split device (placement.py)
 
 
 def floor_chunk(chunk: int) -> int:
@@ -114,19 +115,31 @@ def resolve_max_ctx(value: str | int, model: torch.nn.Module, **fit_kwargs) -> C
 def budget_planner(device: str, capacity: int, *, weights: int, per_position: int, fixed: int,
                    samples: list[tuple[int, int]], slots: int, snapshots_on_device: bool, headroom: float,
                    trained: int, step: int, floor: int, chunk_floor: int, max_chunk: int,
-                   others: tuple = ()) -> _core.Planner:
+                   others: tuple = (), snapshot: tuple[int, int] | None = None) -> _core.Planner:
     """The planner's budget model of one slot's measured (or estimated) bytes: `per_position` and `fixed` are one
-    slot's, `samples` the floor chunk's workspace at positions; `others` are more devices' DeviceBudgets (an
-    estimate's split devices). The one place both `fit_context` and `plan --estimate` build it."""
+    slot's, `samples` the floor chunk's workspace at positions; `others` are more devices' DeviceBudgets (a split
+    model's); `snapshot`: one snapshot's (per position, fixed) bytes when the slot's state is split over devices
+    (a snapshot holds all of it), else the slot's own. The one place both `fit_context` and `plan --estimate`
+    build it."""
+    snapshot_per_position, snapshot_fixed = snapshot or (per_position, fixed)
     try:
         budget = _core.DeviceBudget(
             device, capacity, bytes_per_position=per_position * slots, weights=weights, graphs=0,
-            slot_state=fixed * slots, workspace=samples, snapshot_base=fixed if snapshots_on_device else 0,
-            snapshot_per_position=per_position if snapshots_on_device else 0, slots=slots, headroom=headroom)
+            slot_state=fixed * slots, workspace=samples, snapshot_base=snapshot_fixed if snapshots_on_device else 0,
+            snapshot_per_position=snapshot_per_position if snapshots_on_device else 0, slots=slots,
+            headroom=headroom)
         return _core.Planner([budget, *others], trained=trained, step=step, floor=floor, floor_chunk=chunk_floor,
                              max_chunk=max_chunk)
     except _core.PlannerError as err:
         raise FitError(f"bad fit settings: {err}") from None
+
+
+def split_budget(name: str, capacity: int, *, weights: int, per_position: int, fixed: int,
+                 samples: list[tuple[int, int]], slots: int, headroom: float) -> _core.DeviceBudget:
+    """A split device's budget: its layers' weights and every slot's state of them, and the chunk's workspace
+    (it runs the chunk through its layers); snapshots never live there."""
+    return _core.DeviceBudget(name, capacity, bytes_per_position=per_position * slots, weights=weights,
+                              slot_state=fixed * slots, workspace=samples, slots=slots, headroom=headroom)
 
 
 def settle_workspace(sample, estimate, samples: list[tuple[int, int]], floor: int, trained: int) -> _core.Plan:
@@ -144,17 +157,64 @@ def settle_workspace(sample, estimate, samples: list[tuple[int, int]], floor: in
     return plan
 
 
+@dataclass
+class _Part:
+    """One device's inputs to the fit, as measured: a split model has one per device, the target's first."""
+    name: str
+    capacity: int
+    source: str
+    weights: int
+    available: int
+    per_position: int = 0
+    fixed: int = 0
+    samples: list[tuple[int, int]] = field(default_factory=list)
+
+    def measured(self, snapshots_on_device: bool) -> Measured:
+        return Measured(self.name, self.capacity, self.source, self.weights, self.per_position, self.fixed,
+                        tuple(self.samples), snapshots_on_device)
+
+
+def _parts(model: Qwen4ExpForCausalLM, device: torch.device, memory_limit: int | None, headroom: float,
+           notes: list[str]) -> list[_Part]:
+    """Each device's capacity and weights, the target's first; refused where the weights alone do not fit."""
+    held = placed_weight_bytes(model, device)
+    parts = []
+    for name in device_names(model, device):
+        here = as_device(name)
+        target = name == str(device)
+        limit = (memory_limit if memory_limit is not None else device_memory_limit(device)) if target else \
+            device_memory_limit(here)
+        capacity, source = usable_capacity(here, held[name])
+        if limit is not None:
+            if limit > capacity:
+                notes.append(f"the limit {human_size(limit)} is more than {name} can give ({human_size(capacity)}, "
+                             f"{source}): planning with the latter")
+            else:
+                capacity, source = limit, "memory limit"
+        try:        # the planner's own arithmetic (and its check of the headroom)
+            available = _core.DeviceBudget(name, capacity, bytes_per_position=0, headroom=headroom).available
+        except _core.PlannerError as err:
+            raise FitError(f"bad fit settings: {err}") from None
+        if held[name] >= available:
+            raise FitError(f"the weights alone, {human_size(held[name])}, do not fit in the "
+                           f"{human_size(available)} available on {name} ({human_size(capacity)}, {source}, less "
+                           f"{headroom:.0%} headroom)")
+        parts.append(_Part(name, capacity, source, held[name], available))
+    return parts
+
+
 def fit_context(model: torch.nn.Module, *, slots: int, chunk_floor: int = 256, max_chunk: int = 8192,
                 device: torch.device | str, memory_limit: int | None = None, snapshots_on_device: bool,
                 headroom: float = 0.1, trained: int = 262144, step: int = 4096, floor: int = 4096,
                 verify: bool = True, draft_positions: int = 0) -> FitResult:
     """The largest context (a multiple of `step` in [floor, trained]) at which `slots` slots, the floor
     chunk at the last position and (with `snapshots_on_device`) one full snapshot per slot fit in the
-    device's capacity less `headroom`; and the largest prompt chunk at that context.
+    device's capacity less `headroom`; and the largest prompt chunk at that context. A split model (placement.py)
+    is fitted on every device at once: each holds its layers' weights and state and runs the chunk through them.
 
-    Capacity: `memory_limit`, else the limit `set_device_memory_limit` recorded, else what the device has
-    (CUDA: free + reserved by us; CPU: MemAvailable + the weights). For a given context, pass
-    trained = step = floor = that context: it is checked, not searched.
+    Capacity: `memory_limit` (the target's), else the limit `set_device_memory_limit` recorded for the device,
+    else what the device has (CUDA: free + reserved by us; CPU: MemAvailable + the weights). For a given context,
+    pass trained = step = floor = that context: it is checked, not searched.
 
     Raises:
         FitError: not a qwen4_exp model, bad settings, or even the floor context does not fit (the
@@ -170,83 +230,86 @@ def fit_context(model: torch.nn.Module, *, slots: int, chunk_floor: int = 256, m
     trained = min(trained, cfg.max_position_embeddings)
     if floor < chunk_floor:
         raise FitError(f"the smallest context, {floor}, is shorter than the floor chunk of {chunk_floor} rows")
-    weights = weight_bytes(model, device)
-    limit = memory_limit if memory_limit is not None else device_memory_limit(device)
-    capacity, source = usable_capacity(device, weights)
-    notes = [f"the probes are the planner's budget model over inputs measured on {device}; "
+    notes = [f"the probes are the planner's budget model over inputs measured on {device}"
+             + (f" and {', '.join(device_names(model, device)[1:])}" if model.placement is not None else "") + "; "
              + ("the answer was then verified there" if verify else "the answer was not verified")]
-    if limit is not None:
-        if limit > capacity:
-            notes.append(f"the limit {human_size(limit)} is more than {device} can give ({human_size(capacity)}, "
-                         f"{source}): planning with the latter")
-        else:
-            capacity, source = limit, "memory limit"
-    try:        # the planner's own arithmetic (and its check of the headroom)
-        available = _core.DeviceBudget(str(device), capacity, bytes_per_position=0, headroom=headroom).available
-    except _core.PlannerError as err:
-        raise FitError(f"bad fit settings: {err}") from None
-    if weights >= available:
-        raise FitError(f"the weights alone, {human_size(weights)}, do not fit in the {human_size(available)} "
-                       f"available on {device} ({human_size(capacity)}, {source}, less {headroom:.0%} headroom)")
-    per_position, fixed = run_with_oom_retry(lambda: measure_state(model, device, _STATE_PROBE), device,
-                                             "one slot's state at two capacities")
-    # Speculative decoding keeps each slot's carried state after every draft position of a verify step.
-    fixed += draft_positions * carried_bytes(model)
-    samples: list[tuple[int, int]] = []
+    parts = _parts(model, device, memory_limit, headroom, notes)
+    target = parts[0]
+    states = run_with_oom_retry(lambda: measure_states(model, device, _STATE_PROBE), device,
+                                "one slot's state at two capacities")
+    for part in parts:
+        part.per_position, part.fixed = states[part.name]
+    # A snapshot holds the whole state, wherever its layers are.
+    snapshot = (sum(p.per_position for p in parts), sum(p.fixed for p in parts))
+    # Speculative decoding keeps each slot's carried state after every draft position of a verify step (counted on
+    # the target, a split model's layers' share too).
+    target.fixed += draft_positions * carried_bytes(model)
 
     def planner() -> _core.Planner:
-        return budget_planner(str(device), capacity, weights=weights, per_position=per_position, fixed=fixed,
-                              samples=samples, slots=slots, snapshots_on_device=snapshots_on_device,
-                              headroom=headroom, trained=trained, step=step, floor=floor, chunk_floor=chunk_floor,
-                              max_chunk=max_chunk)
+        others = tuple(split_budget(p.name, p.capacity, weights=p.weights, per_position=p.per_position,
+                                    fixed=p.fixed, samples=p.samples, slots=slots, headroom=headroom)
+                       for p in parts[1:])
+        return budget_planner(target.name, target.capacity, weights=target.weights,
+                              per_position=target.per_position, fixed=target.fixed, samples=target.samples,
+                              slots=slots, snapshots_on_device=snapshots_on_device, headroom=headroom,
+                              trained=trained, step=step, floor=floor, chunk_floor=chunk_floor, max_chunk=max_chunk,
+                              others=others, snapshot=snapshot if len(parts) > 1 else None)
 
     def estimate(when: str = "") -> _core.Plan:
         budget = planner()
         try:
             return budget.estimate()
         except _core.PlannerError as err:
-            raise FitError(f"cannot fit {slots} slot(s) on {device} with {human_size(capacity)} ({source}) "
-                           f"and {headroom:.0%} headroom{when}: {err}") from None
+            where = " and ".join(f"{p.name} with {human_size(p.capacity)} ({p.source})" for p in parts)
+            raise FitError(f"cannot fit {slots} slot(s) on {where} and {headroom:.0%} headroom{when}: "
+                           f"{err}") from None
 
     def sample(position: int) -> None:
         try:
-            samples.append((position, measure_workspace(model, device, position, chunk_floor)))
+            peaks = measure_workspace(model, device, position, chunk_floor)
+            for part in parts:
+                part.samples.append((position, peaks[part.name]))
         except DeviceMemoryError:
             # Under a cap: the chunk needed more than was left beside one slot, a lower bound that
             # makes the model miss here.
-            room = capacity - weights - fixed - per_position * position
-            samples.append((position, max(room, 0) + 1))
-            notes.append(f"out of memory measuring the chunk at {position}: counted as at least "
-                         f"{human_size(room)}")
+            for part in parts:
+                room = part.capacity - part.weights - part.fixed - part.per_position * position
+                part.samples.append((position, max(room, 0) + 1))
+                notes.append(f"out of memory measuring the chunk at {position}: counted as at least "
+                             f"{human_size(room)}" + (f" on {part.name}" if len(parts) > 1 else ""))
 
     estimate(", before measuring the chunk's workspace")    # the fixed parts alone may not fit
     warm_up(model, device, chunk_floor)
-    plan = settle_workspace(sample, estimate, samples, floor, trained)
+    plan = settle_workspace(sample, estimate, target.samples, floor, trained)
     verifications: list[Verification] = []
     chunk = min(plan.chunk, plan.context)
     if verify:
         for _ in range(_CHECKS):
             rows = [chunk_floor] + ([chunk] if chunk > chunk_floor else [])
-            checks = verify_context(model, device, plan.context, rows, slots, snapshots_on_device, weights,
-                                    available)
+            checks = verify_context(model, device, plan.context, rows, slots, snapshots_on_device,
+                                    {p.name: p.weights for p in parts}, {p.name: p.available for p in parts})
             verifications += checks
-            if checks[0].fits:
+            if all(check.fits for check in checks[:len(parts)]):
                 break
             # What the model does not explain is workspace there; the raised line moves the answer down.
-            copies = slots * (2 if snapshots_on_device else 1)
-            explained = weights + copies * (fixed + per_position * plan.context)
-            samples.append((plan.context, max(checks[0].needed - explained, 0)))
+            for part, check in zip(parts, checks[:len(parts)]):
+                explained = part.weights + slots * (part.fixed + part.per_position * plan.context)
+                if snapshots_on_device and part is target:
+                    explained += slots * (snapshot[1] + snapshot[0] * plan.context)
+                if not check.fits:
+                    part.samples.append((plan.context, max(check.needed - explained, 0)))
             plan = estimate()
             chunk = min(plan.chunk, plan.context)
         else:
-            last = verifications[-1]
-            raise FitError(f"no context verified on {device} after {_CHECKS} checks: the last, {last.context}, "
-                           f"needed {human_size(last.needed)} of {human_size(last.available)}")
-        if not checks[-1].fits:
-            notes.append(f"the planned chunk of {chunk} rows needed {human_size(checks[-1].needed)} of "
-                         f"{human_size(available)} when run: serving the floor chunk of {chunk_floor}")
+            short = next(check for check in checks[:len(parts)] if not check.fits)
+            raise FitError(f"no context verified on {short.device} after {_CHECKS} checks: the last, "
+                           f"{short.context}, needed {human_size(short.needed)} of {human_size(short.available)}")
+        if not all(check.fits for check in checks[-len(parts):]):
+            worst = next(check for check in checks[-len(parts):] if not check.fits)
+            notes.append(f"the planned chunk of {chunk} rows needed {human_size(worst.needed)} of "
+                         f"{human_size(worst.available)}" + (f" on {worst.device}" if len(parts) > 1 else "")
+                         + f" when run: serving the floor chunk of {chunk_floor}")
             chunk = chunk_floor
-    measured = Measured(str(device), capacity, source, weights, per_position, fixed, tuple(samples),
-                        snapshots_on_device)
-    return FitResult(plan.context, chunk, plan, time.perf_counter() - started, measured, planner(),
-                     verifications, notes)
+    measured = [part.measured(snapshots_on_device and part is target) for part in parts]
+    return FitResult(plan.context, chunk, plan, time.perf_counter() - started, measured[0], planner(),
+                     verifications, notes, tuple(measured[1:]))

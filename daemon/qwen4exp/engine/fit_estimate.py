@@ -83,6 +83,7 @@ class ModelFacts:
     layers: tuple[int, ...]           # bytes of each decoder layer (the PLE table in its layer)
     per_position: int                 # one slot's state
     fixed: int
+    layer_states: tuple[tuple[int, int], ...]   # one slot's state of each decoder layer: (per position, fixed)
     carried: int                      # one slot's carried state, kept once per draft position with mtp
     dense_stacks: int                 # one layer's expert stacks dequantized whole (0: the stacks are dense)
     trained: int
@@ -96,9 +97,10 @@ def _torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def model_facts(model: str, quant: str | None, dtype: str) -> ModelFacts:
+def model_facts(model: str, quant: str | None, dtype: str, layers: int | None = None) -> ModelFacts:
     """The model named by `--model` (a preset, `tiny`, a checkpoint directory or a .gguf file; the GGUF's header only)
-    at `quant` (a gguf_writer mix or block type, for presets and directories) in `dtype`."""
+    at `quant` (a gguf_writer mix or block type, for presets and directories) in `dtype`; a preset cut to `layers`
+    as random_model cuts it."""
     from ..checkpoint.errors import CheckpointError
     from ..checkpoint.fp8 import block_size as fp8_block
     from ..checkpoint.gguf_loader import quantized_stacks
@@ -114,7 +116,7 @@ def model_facts(model: str, quant: str | None, dtype: str) -> ModelFacts:
     try:
         if model in PRESETS:
             from ..checkpoint.presets import preset_config
-            config = preset_config(model, None, dtype=dtype)
+            config = preset_config(model, layers, dtype=dtype)
             if quant not in (None, "fp8"):
                 config["text_config"]["mtp_num_hidden_layers"] = 0     # llama.cpp's converter drops the MTP head
             cfg, label, source = ModelConfig.from_dict(config, source=f"preset {model!r}"), f"preset {model}", None
@@ -177,13 +179,24 @@ def _facts_from_shapes(cfg, stacks: dict, dtype: str, label: str, quant: str) ->
     # fit_measure.measure_state's arithmetic: the difference over the probe is per position, the rest fixed.
     per_position = -(-(state(2 * STATE_PROBE) - state(STATE_PROBE)) // STATE_PROBE)
     fixed = max(state(STATE_PROBE) - per_position * STATE_PROBE, 0)
+    layer_states = per_layer_states(cfg, torch_dtype, extra)
     carried = sum(t.numel() * t.element_size() for t in SequenceState(cfg, 1, "meta", torch_dtype).carried())
     dense = 0
     for name in ("gate_up_proj", "down_proj"):
         shapes = [shape for key, (_, shape) in stacks.items() if key.endswith(f".experts.{name}")]
         dense += max((math.prod(shape) for shape in shapes), default=0) * torch_dtype.itemsize
-    return ModelFacts(label, cfg, dtype, quant, weights, ple, layers, per_position, fixed, carried, dense,
-                      cfg.max_position_embeddings)
+    return ModelFacts(label, cfg, dtype, quant, weights, ple, layers, per_position, fixed, layer_states, carried,
+                      dense, cfg.max_position_embeddings)
+
+
+def per_layer_states(cfg, dtype, extra: int) -> tuple[tuple[int, int], ...]:
+    """One slot's state of each decoder layer (its PLE state in it) as (bytes per position, fixed bytes), from
+    states of STATE_PROBE and twice that on the meta device."""
+    from .state import SequenceState
+
+    small, _ = SequenceState(cfg, STATE_PROBE, "meta", dtype, extra_attention_layers=extra).nbytes_by_layer()
+    large, _ = SequenceState(cfg, 2 * STATE_PROBE, "meta", dtype, extra_attention_layers=extra).nbytes_by_layer()
+    return tuple(((b - a) // STATE_PROBE, a - (b - a) // STATE_PROBE * STATE_PROBE) for a, b in zip(small, large))
 
 
 # ---- the chunk's workspace ----------------------------------------------------------------------------------------
@@ -243,10 +256,11 @@ class DeviceSize:
     kind: str                 # "cuda" (ROCm too) or "cpu"
     total: int
     limit: int | None = None
+    measured: bool = False    # `total` is what this process can hold there now (measured_size): nothing to take off
 
     @property
     def reserved(self) -> int:
-        return CUDA_CONTEXT_BYTES if self.kind == "cuda" else 0
+        return CUDA_CONTEXT_BYTES if self.kind == "cuda" and not self.measured else 0
 
     @property
     def capacity(self) -> int:
@@ -254,7 +268,7 @@ class DeviceSize:
         return usable if self.limit is None else min(usable, self.limit)
 
     def describe(self) -> str:
-        text = f"{self.name} ({self.kind}) {human_size(self.total)}"
+        text = f"{self.name} ({self.kind}) {human_size(self.total)}" + (" free now" if self.measured else "")
         if self.reserved:
             text += f" less {human_size(self.reserved)} for the driver and context"
         if self.limit is not None and self.limit < self.total - self.reserved:
@@ -298,7 +312,7 @@ class Estimate:
 def _drafts(mtp: int | str, facts: ModelFacts, backend: str, kind: str) -> int:
     """engine_config.resolve_mtp for a model that is not built: "auto" drafts where the backend verifies a step's
     positions together off a CPU."""
-    from .engine_config import AUTO_DRAFTS, MAX_DRAFTS
+    from .limits import AUTO_DRAFTS, MAX_DRAFTS
 
     if mtp != "auto":
         if isinstance(mtp, bool) or not isinstance(mtp, int) or not 0 <= mtp <= MAX_DRAFTS:
@@ -323,7 +337,7 @@ def estimate_plan(facts: ModelFacts, target: DeviceSize, splits: tuple[DeviceSiz
     """The plan for `facts` on `target` (and what `splits` would add), decided as the engine decides it: the PLE
     table on the device unless ple = "host", or "auto" on a GPU moves it to host memory when that fits a longer
     context (EngineConfig.resolve_context)."""
-    from .engine_config import MAX_SLOTS
+    from .limits import MAX_SLOTS
 
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
         raise EstimateError(f"--slots must be a whole number from 1 to {MAX_SLOTS}, got {slots!r}")
@@ -368,13 +382,18 @@ def _decide(est: Estimate, trained: int, step: int, floor: int, max_chunk: int, 
     """EngineConfig.resolve_context's choice of where the PLE table lives: where `ple` says; with "auto" on a GPU,
     on the device unless host memory fits a longer context (or the device placement fits none)."""
     facts = est.facts
+
+    def search(ple: str) -> Fit:
+        return _best_split(est, ple, trained, step, floor, max_chunk) if split else \
+            _search(est, ple, trained, step, floor, max_chunk)
+
     if not facts.ple_table:
-        fit = _search(est, "none", trained, step, floor, max_chunk, split)
+        fit = search("none")
         return fit, [fit]
-    chosen = _search(est, "host" if est.ple == "host" else "device", trained, step, floor, max_chunk, split)
+    chosen = search("host" if est.ple == "host" else "device")
     tried = [chosen]
     if est.ple == "auto" and est.target.kind == "cuda" and (chosen.context is None or chosen.context < trained):
-        moved = _search(est, "host", trained, step, floor, max_chunk, split)
+        moved = search("host")
         tried.append(moved)
         if moved.context is not None and (chosen.context is None or moved.context > chosen.context):
             est.notes.append(f"ple = 'auto'{' (split)' if split else ''}: the PLE table "
@@ -400,17 +419,21 @@ def _search_range(facts: ModelFacts, max_ctx: int | str) -> tuple[int, int, int]
 
 
 def _search(est: Estimate, ple: str, trained: int, step: int, floor: int, max_chunk: int,
-            split: bool = False) -> Fit:
-    """fit_context's search over estimated inputs: the same budget model, the same workspace sampling rounds."""
+            counts: tuple[int, ...] | None = None) -> Fit:
+    """fit_context's search over estimated inputs: the same budget model, the same workspace sampling rounds.
+    `counts`: the layers each split device holds (split_inputs), else the target holds everything."""
     from .. import _core
 
     facts, target = est.facts, est.target
     weights = facts.on_device(ple == "host")
+    per_position, fixed = facts.per_position, facts.fixed + est.drafts * facts.carried
     fit = Fit(ple, weights)
-    others = []
-    if split:
-        weights, fit.split_layers, others = _place_layers(est, ple)
-        fit.weights = weights
+    splits = []
+    if counts is not None:
+        on_target, splits = split_inputs(facts, est.splits, counts, ple == "host")
+        weights = fit.weights = on_target.weights
+        per_position, fixed = on_target.per_position, on_target.fixed + est.drafts * facts.carried
+        fit.split_layers = {part.device.name: (part.first, part.last, part.weights) for part in splits if part.layers}
     try:
         available = _core.DeviceBudget(target.name, target.capacity, bytes_per_position=0,
                                        headroom=est.headroom).available
@@ -422,11 +445,15 @@ def _search(est: Estimate, ple: str, trained: int, step: int, floor: int, max_ch
         return fit
 
     def planner():
-        return budget_planner(target.name, target.capacity, weights=weights, per_position=facts.per_position,
-                              fixed=facts.fixed + est.drafts * facts.carried, samples=fit.samples, slots=est.slots,
-                              snapshots_on_device=est.snapshots_on_device, headroom=est.headroom, trained=trained,
-                              step=step, floor=floor, chunk_floor=est.chunk_floor, max_chunk=max_chunk,
-                              others=tuple(others))
+        # Each split device runs the chunk through its layers: the same workspace line there.
+        others = tuple(_core.DeviceBudget(
+            part.device.name, part.device.capacity, bytes_per_position=part.per_position * est.slots,
+            weights=part.weights, slot_state=part.fixed * est.slots, workspace=fit.samples if part.layers else [],
+            slots=est.slots, headroom=est.headroom) for part in splits)
+        return budget_planner(target.name, target.capacity, weights=weights, per_position=per_position, fixed=fixed,
+                              samples=fit.samples, slots=est.slots, snapshots_on_device=est.snapshots_on_device,
+                              headroom=est.headroom, trained=trained, step=step, floor=floor,
+                              chunk_floor=est.chunk_floor, max_chunk=max_chunk, others=others)
 
     def estimate():
         try:
@@ -446,33 +473,65 @@ def _search(est: Estimate, ple: str, trained: int, step: int, floor: int, max_ch
     return fit
 
 
-def _place_layers(est: Estimate, ple: str):
-    """Whole decoder layers from the last one down onto the split devices, each filled to its capacity less
-    headroom; the target keeps the rest (embedding, LM head, the layers left), every slot's caches and the chunk, as
-    the `target` role says (config/schema.py). Returns (the target's weights, {device: (first, last, bytes)},
-    the split devices' DeviceBudgets)."""
+def _best_split(est: Estimate, ple: str, trained: int, step: int, floor: int, max_chunk: int) -> Fit:
+    """The layers each split device holds that fit the longest context: each split device in turn (the first takes
+    the last layers), every count its room for weights allows, the whole search for each; the longest context
+    wins, the fewest layers off the target on a tie (the target runs them without a hand-over). Where no count
+    fits a context, the answer is the most layers tried, with its error."""
     from .. import _core
 
-    facts = est.facts
-    layer_bytes = list(facts.layers)
-    if ple == "host" and facts.ple_table:        # the table sits in its layer's bytes; in host memory it is not
-        for i, layer_id in enumerate(facts.cfg.ple_layer_ids):
-            layer_bytes[layer_id - 1] -= facts.ple_table // len(facts.cfg.ple_layer_ids)
-    remaining = facts.on_device(ple == "host")
-    placed, budgets = {}, []
-    index = len(layer_bytes) - 1
-    for device in est.splits:
+    layers = len(est.facts.layers)
+    counts: list[int] = []
+    best = None
+    for j, device in enumerate(est.splits):
         room = _core.DeviceBudget(device.name, device.capacity, bytes_per_position=0, headroom=est.headroom).available
-        held, last = 0, index
-        while index >= 0 and held + layer_bytes[index] <= room:
-            held += layer_bytes[index]
-            index -= 1
-        if held:
-            placed[device.name] = (index + 1, last, held)
-        remaining -= held
-        budgets.append(_core.DeviceBudget(device.name, device.capacity, bytes_per_position=0, weights=held,
-                                          slots=est.slots, headroom=est.headroom))
-    return remaining, placed, budgets
+        for k in range(layers - sum(counts) + 1):
+            trial = tuple(counts + [k] + [0] * (len(est.splits) - j - 1))
+            held = split_inputs(est.facts, est.splits, trial, ple == "host")[1][j]
+            if held.weights > room:
+                break
+            fit = _search(est, ple, trained, step, floor, max_chunk, trial)
+            # Where nothing fits, the most layers off the target tell what is still missing.
+            if best is None or (fit.context or 0) > (best[1].context or 0) or not (fit.context or best[1].context):
+                best = (k, fit)
+        counts.append(best[0])
+    return best[1]
+
+
+@dataclass(frozen=True)
+class DevicePart:
+    """What one device holds of a split model: a run of layers (first..last, none when `layers` is 0), their
+    weights and one slot's state of them."""
+    device: DeviceSize
+    layers: int
+    first: int
+    last: int
+    weights: int
+    per_position: int
+    fixed: int
+
+
+def split_inputs(facts: ModelFacts, splits: tuple[DeviceSize, ...], counts: tuple[int, ...], ple_on_host: bool
+                 ) -> tuple[DevicePart, list[DevicePart]]:
+    """The target's part and each split device's when split device j holds counts[j] whole layers, the first from
+    the last layer down (placement.Placement.with_split): a layer's weights and its state go together; the target
+    keeps the embedding, the LM head, the MTP head and its cache, and the rest."""
+    layer_bytes = list(facts.layers)
+    if ple_on_host and facts.ple_table:        # the table sits in its layer's bytes; in host memory it is not
+        for layer_id in facts.cfg.ple_layer_ids:
+            layer_bytes[layer_id - 1] -= facts.ple_table // len(facts.cfg.ple_layer_ids)
+    parts, end = [], len(layer_bytes)
+    for device, count in zip(splits, counts):
+        first = end - count
+        parts.append(DevicePart(device, count, first, end - 1, sum(layer_bytes[first:end]),
+                                sum(p for p, _ in facts.layer_states[first:end]),
+                                sum(f for _, f in facts.layer_states[first:end])))
+        end = first
+    target = DevicePart(DeviceSize("target", "target", "", 0), end, 0, end - 1,
+                        facts.on_device(ple_on_host) - sum(part.weights for part in parts),
+                        facts.per_position - sum(part.per_position for part in parts),
+                        facts.fixed - sum(part.fixed for part in parts))
+    return target, parts
 
 
 # ---- sizes from flags or a profile --------------------------------------------------------------------------------
@@ -503,6 +562,16 @@ def parse_devices(text: str, kind: str, limit: int | None) -> tuple[DeviceSize, 
         raise EstimateError(f"--devices {text!r} names no target (e.g. --devices target=32GiB)")
     names = ["split"] if len(splits) == 1 else [f"split{i + 1}" for i in range(len(splits))]
     return target, tuple(DeviceSize("split", name, kind, total) for name, total in zip(names, splits))
+
+
+def measured_size(role: str, name, limit: int | None) -> DeviceSize:
+    """A device of this box as the engine would use it now: what it has free (fit_measure.usable_capacity, nothing
+    held yet), capped by `limit`."""
+    from .fit_measure import usable_capacity
+    from .memory import as_device
+
+    device = as_device(name)
+    return DeviceSize(role, str(name), device.type, usable_capacity(device, 0)[0], limit, measured=True)
 
 
 def profile_devices(settings) -> tuple[DeviceSize, tuple[DeviceSize, ...]]:

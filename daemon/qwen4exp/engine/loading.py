@@ -14,6 +14,7 @@ from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
 from .model.ple import NGramEmbedding
 from .model.quantized import QuantizedStack, keep_quantized
+from .placement import Placement
 
 log = logging.getLogger("qwen4exp.engine")
 
@@ -38,10 +39,11 @@ def quantized_ple_tables(model: torch.nn.Module) -> list[QuantizedStack]:
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 quantized: dict[str, tuple[str, tuple[int, int, int]]] | None = None,
-                ple_on_host: bool = False) -> Qwen4ExpForCausalLM:
+                ple_on_host: bool = False, placement: Placement | None = None) -> Qwen4ExpForCausalLM:
     """Allocate the model on `device` without initialising weights (a load fills them); `quantized` names the
     expert stacks kept as GGML blocks ({runtime name: (block type, shape)}, model/quantized.py); `ple_on_host`
-    allocates a quantized PLE table in (pinned) host memory instead (the load then writes it there)."""
+    allocates a quantized PLE table in (pinned) host memory instead (the load then writes it there); `placement`
+    puts decoder layers on split devices (placement.py; its target is `device`)."""
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(cfg)
         keep_quantized(model, quantized or {}, dtype)
@@ -52,7 +54,13 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                          "type, or rows no block type takes)")
     for table in hosted:
         table.host = True                             # moved with nothing, then allocated on the host below
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if placement is not None and placement.is_split:
+        if torch.device(placement.target) != device:
+            raise ValueError(f"the placement's target is {placement.target}, the model is built for {device}")
+        model.place(placement, allocate=True)
+    else:
+        model = model.to_empty(device=device)
     for table in hosted:
         table.keep_on_host()
     # The hash constants are derived, not learned: recompute them (a checkpoint's copy must agree).
@@ -70,19 +78,20 @@ def model_config(path: str) -> ModelConfig:
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-               progress: bool = True, ple_on_host: bool = False) -> Qwen4ExpForCausalLM:
+               progress: bool = True, ple_on_host: bool = False, placement: Placement | None = None
+               ) -> Qwen4ExpForCausalLM:
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     device = device if isinstance(device, torch.device) else resolve_device(device)
     if is_gguf(path):
         checkpoint = GGUFCheckpoint(path)
         cfg = checkpoint.model_config()
-        model = build_model(cfg, dtype, device, quantized_stacks(checkpoint, cfg), ple_on_host)
+        model = build_model(cfg, dtype, device, quantized_stacks(checkpoint, cfg), ple_on_host, placement)
         report = load_gguf_weights(checkpoint, model, cfg)
         log.info("loaded %s: %s", path, report)
         return model
     cfg = model_config(path)
     # An FP8 checkpoint's float8 experts and PLE table stay float8 (checkpoint/fp8.py).
-    model = build_model(cfg, dtype, device, fp8_stacks(path, read_config(path)), ple_on_host)
+    model = build_model(cfg, dtype, device, fp8_stacks(path, read_config(path)), ple_on_host, placement)
     report = load_weights(path, model, dtype=dtype, device=device, progress=progress)
     log.info("loaded %s: %s", path, report)
     return model

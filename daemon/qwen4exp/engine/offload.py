@@ -29,7 +29,13 @@ def offload(model: torch.nn.Module) -> int:
 
 
 def restore(model: torch.nn.Module, device: torch.device) -> None:
-    """Bring an offloaded model back to `device` (a no-op for a model that never left the CPU)."""
-    model.to(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Bring an offloaded model back to `device`, a split model's layers to their devices (a no-op for a model
+    that never left the CPU)."""
+    placement = getattr(model, "placement", None)
+    if placement is not None:
+        model.place(placement)
+    else:
+        model.to(device)
+    for name in placement.devices if placement is not None else [str(device)]:
+        if torch.device(name).type == "cuda":
+            torch.cuda.synchronize(torch.device(name))

@@ -151,7 +151,9 @@ class SnapshotCopier:
             for source, offset in zip(sources, offsets):
                 view = buffer[offset:offset + source.numel() * source.element_size()]
                 view = view.view(source.dtype).view(source.shape)
-                view.copy_(source, non_blocking=True)
+                # A split model's layers on another GPU copy on that GPU's stream, which `done` does not follow:
+                # those copies finish before the buffer is handed out.
+                view.copy_(source, non_blocking=stream is None or source.device == stream.device)
                 if stream is not None:
                     # The prompt's stream may free or reuse a source's memory once this stream has read it.
                     source.record_stream(stream)

@@ -41,43 +41,44 @@ class PLEState:
 
 
 def _allocate(cfg: ModelConfig, capacity: int, device, dtype: torch.dtype, extra_attention_layers: int,
-              rows: tuple[int, ...]):
+              rows: tuple[int, ...], layer_devices: tuple | None = None):
     """Every state tensor of a sequence, with `rows` leading dimensions (() for one sequence, (N,) for a
-    batch of N sequences stored side by side)."""
+    batch of N sequences stored side by side). `layer_devices`: each decoder layer's device, where its state
+    goes (a split model, placement.py); else all on `device`, where the MTP head's cache goes either way."""
     ratio = cfg.indexer_compress_ratio
     conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
         cfg.linear_num_value_heads * cfg.linear_value_head_dim
 
-    def zeros(*shape, dtype=dtype):
-        return torch.zeros(*rows, *shape, device=device, dtype=dtype)
+    def zeros(on, *shape, dtype=dtype):
+        return torch.zeros(*rows, *shape, device=on, dtype=dtype)
 
-    def attention() -> AttentionState:
+    def attention(on) -> AttentionState:
         return AttentionState(
-            keys=zeros(cfg.num_key_value_heads, capacity, cfg.head_dim),
-            values=zeros(cfg.num_key_value_heads, capacity, cfg.head_dim),
-            index_keys=zeros(capacity, cfg.indexer_head_dim),
-            block_keys=zeros(-(-capacity // ratio), cfg.indexer_head_dim),
+            keys=zeros(on, cfg.num_key_value_heads, capacity, cfg.head_dim),
+            values=zeros(on, cfg.num_key_value_heads, capacity, cfg.head_dim),
+            index_keys=zeros(on, capacity, cfg.indexer_head_dim),
+            block_keys=zeros(on, -(-capacity // ratio), cfg.indexer_head_dim),
         )
 
     layers: list[AttentionState | DeltaNetState] = []
     ple: dict[int, PLEState] = {}
     for i in range(cfg.num_hidden_layers):
+        on = device if layer_devices is None else layer_devices[i]
         if cfg.is_qsa(i):
-            layers.append(attention())
+            layers.append(attention(on))
         else:
             layers.append(DeltaNetState(
-                conv=zeros(conv_dim, cfg.linear_conv_kernel_dim - 1),
-                recurrent=zeros(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                conv=zeros(on, conv_dim, cfg.linear_conv_kernel_dim - 1),
+                recurrent=zeros(on, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                                 dtype=torch.float32),
             ))
         if i + 1 in cfg.ple_layer_ids:
             ple[i] = PLEState(
-                conv=zeros(cfg.hc_count * cfg.hidden_size, cfg.ple_conv_state_len),
-                context_ids=torch.full((*rows, cfg.ngram_size - 1), cfg.eos_token_id, device=device,
-                                       dtype=torch.long),
+                conv=zeros(on, cfg.hc_count * cfg.hidden_size, cfg.ple_conv_state_len),
+                context_ids=torch.full((*rows, cfg.ngram_size - 1), cfg.eos_token_id, device=on, dtype=torch.long),
             )
-    # Attention layers outside the main stack (the MTP head) keep their caches here.
-    extra = [attention() for _ in range(extra_attention_layers)]
+    # Attention layers outside the main stack (the MTP head, beside the LM head) keep their caches here.
+    extra = [attention(device) for _ in range(extra_attention_layers)]
     return layers, ple, extra
 
 
@@ -93,14 +94,14 @@ def _row(part, index: int):
 
 class SequenceState:
     def __init__(self, cfg: ModelConfig, capacity: int, device: torch.device | str, dtype: torch.dtype,
-                 extra_attention_layers: int = 0, _parts=None):
+                 extra_attention_layers: int = 0, _parts=None, layer_devices: tuple | None = None):
         if capacity <= 0:
             raise CapacityError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.length = 0
         self._eos = cfg.eos_token_id
         self.layers, self.ple, self.extra = _parts or _allocate(cfg, capacity, device, dtype,
-                                                                extra_attention_layers, ())
+                                                                extra_attention_layers, (), layer_devices)
 
     def reset(self) -> None:
         """Empty the sequence for reuse. K/V and indexer keys past `length` are never read, so only the
@@ -126,13 +127,25 @@ class SequenceState:
                 f"{self.capacity} tokens"
             )
 
-    def nbytes(self) -> int:
+    def tensors(self) -> list[torch.Tensor]:
         tensors = []
         for layer in self.layers + self.extra:
             tensors += list(vars(layer).values())
         for ple in self.ple.values():
             tensors += [ple.conv, ple.context_ids]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return tensors
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def nbytes_by_layer(self) -> tuple[list[int], int]:
+        """(each decoder layer's bytes, its PLE state's included; the MTP head's cache)."""
+        layers = [sum(t.numel() * t.element_size() for t in vars(layer).values()) for layer in self.layers]
+        for index, ple in self.ple.items():
+            layers[index] += ple.conv.numel() * ple.conv.element_size() + \
+                ple.context_ids.numel() * ple.context_ids.element_size()
+        extra = sum(t.numel() * t.element_size() for layer in self.extra for t in vars(layer).values())
+        return layers, extra
 
 
 class StateBatch:
@@ -141,12 +154,12 @@ class StateBatch:
     i as a SequenceState of views: prefill, snapshots and resets work on it as on a lone sequence."""
 
     def __init__(self, cfg: ModelConfig, count: int, capacity: int, device: torch.device | str,
-                 dtype: torch.dtype, extra_attention_layers: int = 0):
+                 dtype: torch.dtype, extra_attention_layers: int = 0, layer_devices: tuple | None = None):
         if count <= 0:
             raise ValueError(f"a state batch needs at least one row, got {count}")
         self.capacity = capacity
         self.layers, self.ple, self.extra = _allocate(cfg, capacity, device, dtype, extra_attention_layers,
-                                                      (count,))
+                                                      (count,), layer_devices)
         self._history: dict[int, torch.Tensor] = {}
         self.rows = [
             SequenceState(cfg, capacity, device, dtype, _parts=(
@@ -159,6 +172,11 @@ class StateBatch:
     def nbytes(self) -> int:
         return sum(row.nbytes() for row in self.rows) + sum(t.numel() * t.element_size()
                                                             for t in self._history.values())
+
+    def nbytes_by_layer(self) -> tuple[list[int], int]:
+        """SequenceState.nbytes_by_layer over every row (the verify history not included)."""
+        parts = [row.nbytes_by_layer() for row in self.rows]
+        return [sum(layer) for layer in zip(*(layers for layers, _ in parts))], sum(extra for _, extra in parts)
 
     # ---- verify steps (speculative decoding: model/verify.py) ----------------------------------------------------
     def allocate_history(self, positions: int) -> None:
@@ -183,4 +201,6 @@ class StateBatch:
         rows = torch.arange(len(self.rows), device=last.device)
         for tensor in _carried(self.layers, self.ple):
             kept = self._history[id(tensor)][:substeps - 1]
-            tensor.copy_(torch.cat((kept, tensor[None]))[last, rows])
+            # A split model's layer states sit on their layers' devices (placement.py).
+            here = (last, rows) if tensor.device == last.device else (last.to(tensor.device), rows.to(tensor.device))
+            tensor.copy_(torch.cat((kept, tensor[None]))[here])

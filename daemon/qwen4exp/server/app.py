@@ -86,6 +86,8 @@ async def props(request: web.Request) -> web.Response:
         # Speculative decoding: the profile's setting, and the drafts per step it resolved to in the engine.
         "mtp": {"profile": engine.mtp, "drafts": (stats.get("mtp") or {}).get("drafts")},
         "device": supervisor.info.get("device"),
+        # With split devices: each run of layers and its device (engine/placement.py), as the fit placed them.
+        "placement": supervisor.info.get("placement"),
         "warm_up_s": supervisor.info.get("warm_up_seconds"),
         "dtype": engine.dtype,
         "prefix_cache": stats.get("prefix_cache"),

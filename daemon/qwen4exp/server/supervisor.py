@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..engine.engine_config import EngineConfig
+from ..engine.placement import Placement
 from .errors import EngineUnavailable
 from .messages import (Cancel, EngineState, Failed, Finished, Park, Parked, ParkLevel, Ready, Rejected, Stats,
                        StatsQuery, Stop, Submit, Token, Unpark, Unparked)
@@ -152,6 +153,10 @@ class Supervisor:
             if self.config.ple == "auto" and self.info.get("ple") in ("host", "device"):
                 # Where the fit put the PLE table: a restarted worker keeps the context, so the table too.
                 self.config = dataclasses.replace(self.config, ple=self.info["ple"])
+            if self.config.placement is None and self.info.get("placement") is not None:
+                # Where the layers went, for the same reason.
+                self.config = dataclasses.replace(self.config,
+                                                  placement=Placement.from_json(self.info["placement"]))
             self.metrics.set_context(self.fitted_context)
             self.state, self.error = EngineState.READY, None
             if not self._ready.done():

@@ -55,7 +55,7 @@ class Worker:
         fitted_now = self.fitted_context is None and config.max_ctx == "auto"
         context = self.fitted_context or self._context(model, device)
         self.fitted_context = context
-        self.config = config = config.with_ple_where_it_is(model)
+        self.config = config = config.as_loaded(model)
         if self.cache is None:
             self.cache = config.new_prefix_cache(model, device)
         self.engine = Engine.from_config(model, config, context=context, tokenizer=Tokenizer.from_path(config.model),
@@ -64,6 +64,7 @@ class Worker:
         warm_up_seconds = self.engine.warm_up() if device.type == "cuda" else 0.0
         self.engine.start()
         return {"context": context, "plan": self.plan, "context_fitted_now": fitted_now, "ple": config.ple,
+                "placement": None if config.placement is None else config.placement.to_json(),
                 "load_seconds": round(time.perf_counter() - started, 3), "weights_from": weights_from,
                 "warm_up_seconds": round(warm_up_seconds, 3),
                 "device": str(device), "vocab_size": model.config.vocab_size,

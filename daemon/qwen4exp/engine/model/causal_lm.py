@@ -8,11 +8,13 @@ moved or cast.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from ..placement import Placement
 from ..state import SequenceState, StateBatch
 from .config import ModelConfig
 from .decoder import DecoderLayer, hyper_connection
@@ -47,6 +49,13 @@ def _one_by_one(run, substeps: int, rows: list[torch.Tensor], carried: list[torc
     return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*outs))
 
 
+def _hand_over(streams: list[torch.Tensor], pending: list, device: torch.device) -> tuple[list, list]:
+    """The hyper-connection streams and the last layer's MoE output not yet injected, moved to the next layer's
+    device (a split model's boundary, placement.py)."""
+    return ([stream.to(device) for stream in streams],
+            [None if part is None else tuple(t.to(device) for t in part) for part in pending])
+
+
 class Qwen4ExpForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -55,39 +64,103 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = MTPHead(cfg) if cfg.mtp_num_hidden_layers else None
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
-        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Where each decoder layer lives (placement.py); None: every part on the LM head's device.
+        self.placement: Placement | None = None
         self.ops: TorchOps = ops_for(self.lm_head.weight)
+        self._layer_ops: dict[str, TorchOps] = {}
 
     def _apply(self, fn, recurse=True):
         # .to(), .cuda(), .to_empty(), .bfloat16(): the weights may have moved to where other kernels serve them.
         super()._apply(fn, recurse)
         self.ops = ops_for(self.lm_head.weight)
+        self._layer_ops = {}
         return self
+
+    # ---- placement over several devices (placement.py) ---------------------------------------------------------
+    def place(self, placement: Placement, allocate: bool = False) -> None:
+        """Put each decoder layer on its device and the rest on the target: moved (`allocate`: allocated there
+        without values, as a load fills them)."""
+        if len(placement.layers) != len(self.model.layers):
+            raise ValueError(f"the placement names {len(placement.layers)} layers; the model has "
+                             f"{len(self.model.layers)}")
+        move = (lambda module, device: module.to_empty(device=device)) if allocate else \
+            (lambda module, device: module.to(device))
+        for name, module in self.named_children():
+            if name != "model":
+                move(module, placement.target)
+        for name, module in self.model.named_children():
+            if name != "layers":
+                move(module, placement.target)
+        for layer, device in zip(self.model.layers, placement.layers):
+            move(layer, device)
+        self.placement = placement if placement.is_split else None
+        self.ops = ops_for(self.lm_head.weight)
+        self._layer_ops = {}
+        self._rope_tables = {}
+
+    def layer_devices(self) -> tuple[torch.device, ...] | None:
+        """Each decoder layer's device in a split model (where its state goes), else None."""
+        if self.placement is None:
+            return None
+        return tuple(torch.device(name) for name in self.placement.layers)
+
+    def _ops_on(self, index: int) -> TorchOps:
+        """The ops backend of layer `index`'s device (the target's where it is there)."""
+        name = self.placement.layers[index]
+        if name == self.placement.target:
+            return self.ops
+        if name not in self._layer_ops:
+            self._layer_ops[name] = ops_for(self.model.layers[index].mlp.gate.weight)
+        return self._layer_ops[name]
+
+    @property
+    def spans_devices(self) -> bool:
+        """Whether the layers run on more than one physical device (a split over "cpu" and "cpu:1" does not)."""
+        if self.placement is None:
+            return False
+        return len({(d.type, d.index if d.type == "cuda" else None) for d in map(torch.device,
+                                                                                 self.placement.devices)}) > 1
+
+    @property
+    def rows_independent(self) -> bool:
+        """Whether every device's backend computes a row's numbers independent of the row count (verify.py)."""
+        if self.placement is None:
+            return self.ops.rows_independent
+        return all(self._ops_on(i).rows_independent for i in range(len(self.model.layers))) and \
+            self.ops.rows_independent
 
     def new_state(self, capacity: int, device: torch.device | str | None = None) -> SequenceState:
         param = self.lm_head.weight
         return SequenceState(self.config, capacity, device or param.device, param.dtype,
-                             extra_attention_layers=1 if self.mtp is not None else 0)
+                             extra_attention_layers=1 if self.mtp is not None else 0,
+                             layer_devices=self.layer_devices())
 
     def new_state_batch(self, count: int, capacity: int, device: torch.device | str | None = None) -> StateBatch:
         param = self.lm_head.weight
         return StateBatch(self.config, count, capacity, device or param.device, param.dtype,
-                          extra_attention_layers=1 if self.mtp is not None else 0)
+                          extra_attention_layers=1 if self.mtp is not None else 0,
+                          layer_devices=self.layer_devices())
 
     def rope(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables covering positions 0..length-1 at least, grown in powers of two (values do not depend
-        on the table's size)."""
+        on the table's size). A split device's is a copy of the target's: a layer reads the same values there."""
         dtype = self.lm_head.weight.dtype
-        table = self._rope_table
-        if table is None or table[0].shape[0] < length or table[0].device != device or table[0].dtype != dtype:
+        key = str(device)
+        table = self._rope_tables.get(key)
+        if table is None or table[0].shape[0] < length or table[0].dtype != dtype:
             size = 1 << max(12, (length - 1).bit_length())
-            table = self.rope_table(size, device)
-            self._rope_table = table
+            target = self.lm_head.weight.device
+            if self.placement is not None and key != str(target):
+                table = tuple(t.to(device) for t in self.rope(size, target))
+            else:
+                table = self.rope_table(size, device)
+            self._rope_tables[key] = table
         return table
 
     def release_rope_table(self) -> None:
-        """Drop the grown table (the context fit measures a chunk's peak with the table it needs)."""
-        self._rope_table = None
+        """Drop the grown tables (the context fit measures a chunk's peak with the table it needs)."""
+        self._rope_tables = {}
 
     def rope_table(self, capacity: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions 0..capacity-1 as a table of its own (a captured decode graph keeps it)."""
@@ -157,7 +230,7 @@ class Qwen4ExpForCausalLM(nn.Module):
 
     def verify_rows_impl(self, token_ids, positions, active, states: StateBatch, rope, substeps: int
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        if substeps > 1 and not self.ops.rows_independent:
+        if substeps > 1 and not self.rows_independent:
             return _one_by_one(lambda *rows: self.verify_rows_impl(*rows, states, rope, 1), substeps,
                                [token_ids, positions, active], states.carried(), states.keep)
         step = Step.rows(self.ops, token_ids, positions.clamp(0, states.capacity - 1), active, states, rope,
@@ -182,7 +255,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         positions[i] with token_ids[i], the token after that position; its attention cache is states.extra.
         Returns (the logits of the token after token_ids[i] [R, V], or None without `logits`; the head's own
         streams [R, hc*H], which the next draft position reads in place of the main model's)."""
-        if substeps > 1 and not self.ops.rows_independent:
+        if substeps > 1 and not self.rows_independent:
             return _one_by_one(lambda *rows: self.draft_rows(*rows, states, rope, 1, logits), substeps,
                                [streams, token_ids, positions, active])
         view = HeadState(states.extra, states.capacity)
@@ -204,19 +277,33 @@ class Qwen4ExpForCausalLM(nn.Module):
         streams = [self.ops.table_rows(self.model.embed_tokens, step.token_ids).repeat(1, hc) for step in steps]
         pending: list = [None] * len(steps)
         last = len(self.model.layers) - 1
-        for index, layer in enumerate(self.model.layers):
-            if len(steps) == 1:
-                streams[0], pending[0] = layer(streams[0], steps[0], pending[0])
-            else:
-                parts = [layer.up_to_experts(*args) for args in zip(streams, steps, pending)]
-                outs = self.ops.chunks_experts(layer.mlp, [mixed for _, mixed, _ in parts], steps)
-                streams = [part[0] for part in parts]
-                pending = [(out, gates) for out, (_, _, gates) in zip(outs, parts)]
-            if between_layers is not None and index < last:
-                between_layers()
+        on_target, here = steps, None if self.placement is None else self.placement.target
+        with contextlib.ExitStack() as current:
+            for index, layer in enumerate(self.model.layers):
+                if here is not None and self.placement.layers[index] != here:      # a split model's boundary
+                    here = self.placement.layers[index]
+                    steps = on_target if here == self.placement.target else \
+                        [step.on(torch.device(here), self._ops_on(index), self.rope) for step in on_target]
+                    streams, pending = _hand_over(streams, pending, torch.device(here))
+                    if torch.device(here).type == "cuda":   # Triton launches on the current device
+                        current.enter_context(torch.cuda.device(torch.device(here)))
+                streams, pending = self._layer(layer, streams, steps, pending)
+                if between_layers is not None and index < last:
+                    between_layers()
+        if steps is not on_target:          # back to the target for the mixer and the LM head
+            steps = on_target
+            streams, pending = _hand_over(streams, pending, torch.device(self.placement.target))
         results = []
         for stream, step, inject in zip(streams, steps, pending):
             stream, hidden, _ = self.model.hyper_connection_mixer(stream, step, inject=inject)
             results.append((hidden, stream))
         return results
 
+    def _layer(self, layer, streams: list, steps: list[Step], pending: list) -> tuple[list, list]:
+        """One decoder layer over each step's streams (several steps: their MoE at once, ops.chunks_experts)."""
+        if len(steps) == 1:
+            streams[0], pending[0] = layer(streams[0], steps[0], pending[0])
+            return streams, pending
+        parts = [layer.up_to_experts(*args) for args in zip(streams, steps, pending)]
+        outs = steps[0].ops.chunks_experts(layer.mlp, [mixed for _, mixed, _ in parts], steps)
+        return [part[0] for part in parts], [(out, gates) for out, (_, _, gates) in zip(outs, parts)]

@@ -73,6 +73,18 @@ class Step:
                                 self.sin_table, active=self.active[part], flags=self.flags[part]) for part in parts]
         return self._views
 
+    def on(self, device: torch.device, ops, rope) -> "Step":
+        """This step's inputs on another device, with that device's ops backend and rope tables (`rope(length,
+        device)`): a split model's layers there (placement.py). The state is the same object: the layers' parts of
+        it are on their devices already."""
+        def moved(tensor):
+            return None if tensor is None else tensor.to(device)
+
+        table = rope(self.cos_table.shape[0], device)
+        return Step(SubstepOps(ops) if self.substeps > 1 else ops, moved(self.token_ids), moved(self.positions),
+                    self.state, table[0], table[1], start=self.start, active=moved(self.active),
+                    flags=moved(self.flags), substeps=self.substeps)
+
     @property
     def end(self) -> int:
         """A chunk's position after its last token."""
