@@ -246,45 +246,74 @@ def test_mtp_on_equals_off_on_the_gpu(models, name, slots, monkeypatch):
 
 
 # ---- split serving (engine/placement.py): layers on another device, handed across at each boundary -----------------
-def _split(tiny_checkpoint, dtype: str, device: str, layers: int):
+def _split(tiny_checkpoint, dtype: str, target: str, device: str, layers: int):
     from qwen4exp.engine.placement import Placement
 
-    model = load_model(str(tiny_checkpoint), dtype=dtype, device="cuda", progress=False)
-    model.place(Placement.with_split("cuda:0", len(model.model.layers), [(device, layers)]))
+    model = load_model(str(tiny_checkpoint), dtype=dtype, device=target, progress=False)
+    model.place(Placement.with_split(target, len(model.model.layers), [(device, layers)]))
     return model
+
+
+def _warm_and_cold(engine: Engine, what: str) -> None:
+    """Staggered requests against each alone, then the same prompts again from the prefix cache."""
+    specs = _specs()
+    alone = [run_staggered(engine, [spec], [0])[0] for spec in specs]
+    for got, want in zip(run_staggered(engine, specs, [0, 3, 7, 12]), alone):
+        assert_same_logits(got, want, f"{what}, {len(want.prompt_ids)}-token prompt")
+    warm = run_staggered(engine, specs[::-1], [0, 0, 0, 0])[::-1]
+    assert sum(r.cached_tokens for r in warm) > 0
+    for got, want in zip(warm, alone):
+        assert_same_logits(got, want, f"{what}, warm against cold")
 
 
 @pytest.mark.parametrize("name", DTYPES)
 def test_layers_on_the_host_keep_alone_equal_to_together_and_warm_equal_to_cold(models, tiny_checkpoint, name,
                                                                                 monkeypatch):
     """The last three layers (a QSA layer's cache with them) on the CPU beside the GPU, the CPU's torch forms
-    running them: every logits row is the one a request gets alone, warm or cold; the decode step runs eagerly."""
+    running them: every logits row is the one a request gets alone, warm or cold (snapshots hold the host layers'
+    state too); the decode step runs eagerly."""
     record_logits(monkeypatch)
-    model = _split(tiny_checkpoint, name, "cpu", 3)
+    model = _split(tiny_checkpoint, name, "cuda:0", "cpu", 3)
     assert model.spans_devices and model.model.layers[7].mlp.gate.weight.device.type == "cpu"
     cache = PrefixCache(CHUNK, 1 << 30, SnapshotBackend.for_device(torch.device("cuda")),
                         model.config.indexer_compress_ratio)
     engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, prefix_cache=cache, decode_beside_prompts=True)
-    assert engine.decoder.graph is None
-    specs = _specs()
-    alone = [run_staggered(engine, [spec], [0])[0] for spec in specs]
-    for got, want in zip(run_staggered(engine, specs, [0, 3, 7, 12]), alone):
-        assert_same_logits(got, want, f"{name} split over cuda and cpu, {len(want.prompt_ids)}-token prompt")
-    warm = run_staggered(engine, specs[::-1], [0, 0, 0, 0])[::-1]
-    assert sum(r.cached_tokens for r in warm) > 0
-    for got, want in zip(warm, alone):
-        assert_same_logits(got, want, f"{name} split over cuda and cpu, warm against cold")
+    assert engine.decoder.graph is None and not engine.decode_beside_prompts
+    _warm_and_cold(engine, f"{name} split over cuda and cpu")
 
 
+def test_a_split_model_parked_in_host_memory_comes_back_where_it_was(tiny_checkpoint):
+    from qwen4exp.engine.offload import offload, restore
+
+    model = _split(tiny_checkpoint, "bfloat16", "cuda:0", "cpu", 3)
+    ids = torch.arange(1, 60, device="cuda")
+    before = model(ids, model.new_state(128), all_logits=True)
+    offload(model)
+    assert all(t.device.type == "cpu" for t in model.parameters())
+    restore(model, torch.device("cuda:0"))
+    devices = [layer.mlp.gate.weight.device.type for layer in model.model.layers]
+    assert devices == ["cuda"] * 5 + ["cpu"] * 3 and model.lm_head.weight.device.type == "cuda"
+    assert torch.equal(model(ids, model.new_state(128), all_logits=True), before)
+
+
+@pytest.mark.parametrize("target, split", [("cuda:0", "cuda:1"), ("cuda:1", "cuda:0")])
 @pytest.mark.parametrize("name", DTYPES)
-def test_layers_on_a_second_gpu_give_the_one_gpu_numbers(models, tiny_checkpoint, name, monkeypatch):
-    """Two GPUs of one kind run the same kernels: a split model's every logits row is the unsplit model's."""
+def test_layers_on_a_second_gpu_give_the_one_gpu_numbers(models, tiny_checkpoint, name, target, split, monkeypatch):
+    """Two GPUs of one kind run the same kernels: a split model's every logits row is the unsplit model's, warm or
+    cold, with drafts or without (also with the target on the second GPU)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("one GPU: the split over two is measured on nvidia-h200-x2")
     record_logits(monkeypatch)
-    model = _split(tiny_checkpoint, name, "cuda:1", 5)
+    model = _split(tiny_checkpoint, name, target, split, 5)
     specs = _specs()
     want = run_staggered(Engine(models[name], slots=4, context=CONTEXT, chunk=CHUNK), specs, [0, 3, 7, 12])
     got = run_staggered(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK), specs, [0, 3, 7, 12])
     for a, b in zip(got, want):
-        assert_same_logits(a, b, f"{name} split over two GPUs, {len(b.prompt_ids)}-token prompt")
+        assert_same_logits(a, b, f"{name} split over {target} and {split}, {len(b.prompt_ids)}-token prompt")
+    drafted = run_staggered(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, mtp=3), specs, [0, 3, 7, 12])
+    for a, b in zip(drafted, want):
+        assert a.output_ids == b.output_ids
+    cache = PrefixCache(CHUNK, 1 << 30, SnapshotBackend.for_device(torch.device(target)),
+                        model.config.indexer_compress_ratio)
+    _warm_and_cold(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, prefix_cache=cache),
+                   f"{name} split over {target} and {split}")

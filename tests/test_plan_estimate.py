@@ -278,3 +278,20 @@ def test_drafting_slots_keep_their_states_in_the_estimate_as_in_the_fit(tiny_che
     assert drafting.fit.context <= plain.fit.context
     with pytest.raises(EstimateError, match="from 0 to 7, got 9"):
         estimate_plan(facts, target, chunk=64, mtp=9)
+
+
+def test_layers_in_host_memory_share_it_with_a_ple_table_kept_there(capsys):
+    """A 24 GB GPU beside 128 GiB of host memory: most layers go to the host, the PLE table too, and the table is
+    counted against the host's share: with 96 GiB, a host split fits 40960 a slot where a 96 GiB GPU, whose memory
+    the table does not take, fits 262144."""
+    roomy = run_plan(capsys, "--estimate", "--model", "full", "--quant", "ud-q4_k_xl", "--device", "cuda",
+                     "--devices", "target=24GiB,split=128GiB")
+    assert roomy["context"] == 262144 and roomy["ple"] == "host"
+    assert roomy["split"]["split_layers"]["split"]["last"] == 47
+    from qwen4exp.engine.fit_estimate import DeviceSize, estimate_plan, model_facts
+
+    facts = model_facts("full", "ud-q4_k_xl", "bfloat16")
+    target = DeviceSize("target", "cuda:0", "cuda", 24 << 30)
+    host = estimate_plan(facts, target, (DeviceSize("split", "cpu", "cpu", 96 << 30),), chunk=512).split
+    gpu = estimate_plan(facts, target, (DeviceSize("split", "cuda:1", "cuda", 96 << 30),), chunk=512).split
+    assert (host.context, host.ple, gpu.context, gpu.ple) == (40960, "host", 262144, "host")

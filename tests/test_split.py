@@ -17,7 +17,6 @@ from qwen4exp.engine.engine_config import EngineConfig
 from qwen4exp.engine.fit import FitError, fit_context
 from qwen4exp.engine.memory import set_device_memory_limit
 from qwen4exp.engine.model import causal_lm
-from qwen4exp.engine.offload import offload, restore
 from qwen4exp.engine.placement import Placement
 from qwen4exp.engine.prefix_cache import PrefixCache
 from qwen4exp.engine.request import Request
@@ -166,17 +165,6 @@ def test_drafting_on_a_split_model_gives_the_answers_of_plain_decoding(plain, sp
         assert request.output_ids == _alone(plain, spec).output_ids
 
 
-def test_offload_and_restore_keep_each_layer_where_it_was_placed():
-    model = _model(ONE)
-    placement = model.placement
-    ids = torch.arange(1, 30)
-    before = model(ids, model.new_state(64), all_logits=True)
-    offload(model)
-    restore(model, torch.device("cpu"))
-    assert model.placement == placement
-    assert torch.equal(model(ids, model.new_state(64), all_logits=True), before)
-
-
 # ---- the fit over several devices -----------------------------------------------------------------------------------
 @pytest.fixture
 def split_limit():
@@ -207,6 +195,27 @@ def test_the_fit_gives_each_device_its_layers_and_fits_more_context_than_the_tar
     at_answer = [v for v in both.verifications if v.context == both.context and v.rows == 256]
     assert {v.device for v in at_answer} == {"cpu", "cpu:1"} and all(v.fits for v in at_answer)
     assert [d.name for d in both.plan.devices] == ["cpu", "cpu:1"]
+
+
+def test_a_split_device_in_host_memory_leaves_the_prefix_cache_its_share(split, split_limit):
+    """Beside a discrete GPU the snapshots live in host memory: a split device whose memory is the host's (here
+    "cpu:1") plans without the prefix cache's resident limit."""
+    reserve = 16 * MiB
+    plain_fit, reserved = _fit(split, 60 * MiB), _fit(split, 60 * MiB, host_reserve=reserve)
+    assert reserved.split[0].capacity == plain_fit.split[0].capacity - reserve == split_limit - reserve
+    assert "less 16.00 MiB for the prefix cache in host memory" in reserved.split[0].capacity_source
+    assert reserved.measured.capacity == plain_fit.measured.capacity     # the target keeps its own
+
+
+def test_drafting_keeps_each_layers_carried_history_on_its_device(split, split_limit):
+    """A verify step keeps the carried state of every draft position beside each carried tensor: the fit charges
+    each device its own layers' share."""
+    from qwen4exp.engine.fit import carried_on
+
+    plain_fit, drafting = _fit(split, 60 * MiB), _fit(split, 60 * MiB, draft_positions=3)
+    for before, after, name in [(plain_fit.measured, drafting.measured, "cpu"),
+                                (plain_fit.split[0], drafting.split[0], "cpu:1")]:
+        assert after.slot_fixed == before.slot_fixed + 3 * carried_on(split, name, "cpu") > before.slot_fixed
 
 
 @pytest.mark.parametrize("cap, message", [

@@ -108,6 +108,8 @@ class Engine:
         self.model, self.context, self.chunk, self.restore_spacing = model, context, chunk, spacing
         self.tokenizer = tokenizer
         self.device = model.lm_head.weight.device
+        # A split model's other devices (placement.py): their cached blocks go back with the target's.
+        self._split_devices = [] if model.placement is None else model.placement.devices[1:]
         self.pool = SlotPool.allocate(model, slots, context)
         self.decoder = DecodeRunner(model, self.pool.states, self.device, graph=cuda_graphs, compile=compile_decode)
         # Speculative decoding with the MTP head (speculative.py): mtp drafts at most per slot and step; "auto": as
@@ -245,6 +247,8 @@ class Engine:
             self.prefix_cache.finish_captures()
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":      # a thread's current device is its own: Triton launches there
+            torch.cuda.set_device(self.device)
         while not self._stopping:
             if self.idle:
                 self._wake.wait(0.05)
@@ -334,7 +338,8 @@ class Engine:
             # chunks the allocator keeps them for the next chunk, which needs the same blocks (emptying after
             # every chunk cost a device synchronisation and the blocks' allocation again). A short prompt's are
             # kept for the next prompt, for the same reason.
-            release_cached_blocks(self.device)
+            for device in (self.device, *self._split_devices):
+                release_cached_blocks(device)
 
     def _prompt_chunk(self, slot: Slot, end: int) -> "_PromptChunk":
         ids = torch.tensor(slot.request.prompt_ids[slot.prefilled:end], dtype=torch.long)
@@ -365,7 +370,7 @@ class Engine:
                     return [self.model(group[0].ids, group[0].slot.state, between_layers=beside)]
                 return self.model.forward_chunks([(c.ids, c.slot.state) for c in group], between_layers=beside)
             what = "; ".join(f"the prompt chunk {c.begin}..{c.end} of {c.request.id}" for c in group)
-            logits = run_with_oom_retry(attempt, self.device, what)
+            logits = run_with_oom_retry(attempt, self.device, what, also=self._split_devices)
             self.counters.prompt_forwards += 1
             self.counters.prompt_chunks += len(group)
             return logits

@@ -34,7 +34,7 @@ def resolve_mtp(mtp: int | str, model) -> int:
     than a plain one) off a CPU, whose steps are bound by the host's work that drafting adds to; else 0. A number
     is taken as it is."""
     if mtp == "auto":
-        pays = model.ops.rows_independent and model.lm_head.weight.device.type != "cpu"
+        pays = model.rows_independent and model.lm_head.weight.device.type != "cpu"
         return AUTO_DRAFTS if model.mtp is not None and pays else 0
     if isinstance(mtp, bool) or not isinstance(mtp, int) or not 0 <= mtp <= MAX_DRAFTS:
         raise ValueError(f"mtp must be \"auto\" or a number of drafts from 0 to {MAX_DRAFTS}, got {mtp!r}")
@@ -136,6 +136,9 @@ class EngineConfig:
         if self.model is None:
             raise ValueError("engine setting model is not set: there is no checkpoint to load")
         device = self.torch_device()
+        if device.type == "cuda":            # the current device, where Triton launches (cuda:1 as the target too)
+            import torch
+            torch.cuda.set_device(device)
         set_device_memory_limit(device, self.device_memory_limit)
         for name, limit in self.split:
             set_device_memory_limit(name, limit)
@@ -157,8 +160,9 @@ class EngineConfig:
 
         try:
             facts = facts or model_facts(self.model, None, self.dtype_on(device))
+            reserve = self.host_snapshot_reserve(device)
             est = estimate_plan(facts, measured_size("target", device, self.device_memory_limit),
-                                tuple(measured_size("split", name, limit) for name, limit in self.split),
+                                tuple(measured_size("split", name, limit, reserve) for name, limit in self.split),
                                 slots=self.slots, chunk=self.chunk, ple=self.ple, max_ctx=self.max_ctx,
                                 snapshots_on_device=snapshots_share_device_memory(device), mtp=self.mtp)
         except EstimateError as err:
@@ -177,8 +181,24 @@ class EngineConfig:
         whether prefix snapshots take the device's memory (where the snapshot backend puts them)."""
         from .fit import floor_chunk
         from .snapshot import snapshots_share_device_memory
-        return dict(slots=self.slots, device=device, chunk_floor=floor_chunk(self.chunk),
-                    memory_limit=self.device_memory_limit, snapshots_on_device=snapshots_share_device_memory(device))
+        settings = dict(slots=self.slots, device=device, chunk_floor=floor_chunk(self.chunk),
+                        memory_limit=self.device_memory_limit,
+                        snapshots_on_device=snapshots_share_device_memory(device))
+        return settings | ({"host_reserve": self.host_snapshot_reserve(device)} if self.split else {})
+
+    def host_snapshot_reserve(self, device) -> int:
+        """Bytes of host memory the prefix cache may fill beside a discrete target (its resident limit; 0 when it is
+        off or its snapshots live on the target): a split device whose memory is the host's (`cpu`, an integrated
+        GPU) keeps them free, since its layers' caches and the snapshots share that memory."""
+        from .prefix_cache import auto_resident_limit
+        from .snapshot import SnapshotBackend
+
+        if not self.prefix_cache:
+            return 0
+        backend = SnapshotBackend.for_device(device)
+        if backend.tier != "host" or device.type == "cpu":
+            return 0
+        return auto_resident_limit(backend) if self.prefix_cache_limit == "auto" else self.prefix_cache_limit
 
     def resolve_context(self, model, device, **fit_overrides):
         """The context to serve (fit.ContextChoice): max_ctx checked when it is a number, else fitted on `device`

@@ -26,6 +26,7 @@ from .fit_measure import (Verification, device_names, measure_states, measure_wo
 from .memory import DeviceMemoryError, as_device, device_memory_limit, human_size, run_with_oom_retry
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
+from .snapshot import snapshots_share_device_memory
 from .state import SequenceState
 
 _ROUNDS = 4     # estimates refined by a sample at the answer; a line settles in one or two
@@ -87,8 +88,14 @@ def model_config(model: torch.nn.Module) -> ModelConfig:
 def carried_bytes(model: Qwen4ExpForCausalLM) -> int:
     """One slot's carried state (conv, recurrent and PLE states: StateBatch.allocate_history keeps one per draft
     position), sized without allocating."""
-    state = SequenceState(model.config, 1, "meta", model.lm_head.weight.dtype)
-    return sum(t.numel() * t.element_size() for t in state.carried())
+    return sum(SequenceState(model.config, 1, "meta", model.lm_head.weight.dtype).carried_by_layer())
+
+
+def carried_on(model: Qwen4ExpForCausalLM, name: str, target: str) -> int:
+    """`carried_bytes` of the layers on device `name` (the history sits with each carried tensor)."""
+    sizes = SequenceState(model.config, 1, "meta", model.lm_head.weight.dtype).carried_by_layer()
+    where = model.placement.layers if model.placement is not None else [target] * len(sizes)
+    return sum(size for size, device in zip(sizes, where) if device == name)
 
 
 def resolve_max_ctx(value: str | int, model: torch.nn.Module, **fit_kwargs) -> ContextChoice:
@@ -175,8 +182,9 @@ class _Part:
 
 
 def _parts(model: Qwen4ExpForCausalLM, device: torch.device, memory_limit: int | None, headroom: float,
-           notes: list[str]) -> list[_Part]:
-    """Each device's capacity and weights, the target's first; refused where the weights alone do not fit."""
+           host_reserve: int, notes: list[str]) -> list[_Part]:
+    """Each device's capacity and weights, the target's first; refused where the weights alone do not fit. A split
+    device whose memory is the host's gives `host_reserve` bytes of it to the prefix cache."""
     held = placed_weight_bytes(model, device)
     parts = []
     for name in device_names(model, device):
@@ -191,6 +199,9 @@ def _parts(model: Qwen4ExpForCausalLM, device: torch.device, memory_limit: int |
                              f"{source}): planning with the latter")
             else:
                 capacity, source = limit, "memory limit"
+        if not target and host_reserve and snapshots_share_device_memory(here):
+            capacity, source = max(capacity - host_reserve, 1), f"{source}, less {human_size(host_reserve)} for the " \
+                                                                 f"prefix cache in host memory"
         try:        # the planner's own arithmetic (and its check of the headroom)
             available = _core.DeviceBudget(name, capacity, bytes_per_position=0, headroom=headroom).available
         except _core.PlannerError as err:
@@ -206,15 +217,16 @@ def _parts(model: Qwen4ExpForCausalLM, device: torch.device, memory_limit: int |
 def fit_context(model: torch.nn.Module, *, slots: int, chunk_floor: int = 256, max_chunk: int = 8192,
                 device: torch.device | str, memory_limit: int | None = None, snapshots_on_device: bool,
                 headroom: float = 0.1, trained: int = 262144, step: int = 4096, floor: int = 4096,
-                verify: bool = True, draft_positions: int = 0) -> FitResult:
+                verify: bool = True, draft_positions: int = 0, host_reserve: int = 0) -> FitResult:
     """The largest context (a multiple of `step` in [floor, trained]) at which `slots` slots, the floor
     chunk at the last position and (with `snapshots_on_device`) one full snapshot per slot fit in the
     device's capacity less `headroom`; and the largest prompt chunk at that context. A split model (placement.py)
     is fitted on every device at once: each holds its layers' weights and state and runs the chunk through them.
 
     Capacity: `memory_limit` (the target's), else the limit `set_device_memory_limit` recorded for the device,
-    else what the device has (CUDA: free + reserved by us; CPU: MemAvailable + the weights). For a given context,
-    pass trained = step = floor = that context: it is checked, not searched.
+    else what the device has (CUDA: free + reserved by us; CPU: MemAvailable + the weights); a split device whose
+    memory is the host's less `host_reserve` (the prefix cache's). For a given context, pass trained = step =
+    floor = that context: it is checked, not searched.
 
     Raises:
         FitError: not a qwen4_exp model, bad settings, or even the floor context does not fit (the
@@ -233,17 +245,18 @@ def fit_context(model: torch.nn.Module, *, slots: int, chunk_floor: int = 256, m
     notes = [f"the probes are the planner's budget model over inputs measured on {device}"
              + (f" and {', '.join(device_names(model, device)[1:])}" if model.placement is not None else "") + "; "
              + ("the answer was then verified there" if verify else "the answer was not verified")]
-    parts = _parts(model, device, memory_limit, headroom, notes)
+    parts = _parts(model, device, memory_limit, headroom, host_reserve, notes)
     target = parts[0]
     states = run_with_oom_retry(lambda: measure_states(model, device, _STATE_PROBE), device,
-                                "one slot's state at two capacities")
+                                "one slot's state at two capacities", also=[p.name for p in parts[1:]])
     for part in parts:
         part.per_position, part.fixed = states[part.name]
     # A snapshot holds the whole state, wherever its layers are.
     snapshot = (sum(p.per_position for p in parts), sum(p.fixed for p in parts))
-    # Speculative decoding keeps each slot's carried state after every draft position of a verify step (counted on
-    # the target, a split model's layers' share too).
-    target.fixed += draft_positions * carried_bytes(model)
+    # Speculative decoding keeps each slot's carried state after every draft position of a verify step, beside
+    # each carried tensor.
+    for part in parts:
+        part.fixed += draft_positions * carried_on(model, part.name, target.name)
 
     def planner() -> _core.Planner:
         others = tuple(split_budget(p.name, p.capacity, weights=p.weights, per_position=p.per_position,
@@ -253,7 +266,7 @@ def fit_context(model: torch.nn.Module, *, slots: int, chunk_floor: int = 256, m
                               per_position=target.per_position, fixed=target.fixed, samples=target.samples,
                               slots=slots, snapshots_on_device=snapshots_on_device, headroom=headroom,
                               trained=trained, step=step, floor=floor, chunk_floor=chunk_floor, max_chunk=max_chunk,
-                              others=others, snapshot=snapshot if len(parts) > 1 else None)
+                              others=others, snapshot=snapshot)
 
     def estimate(when: str = "") -> _core.Plan:
         budget = planner()

@@ -85,6 +85,7 @@ class ModelFacts:
     fixed: int
     layer_states: tuple[tuple[int, int], ...]   # one slot's state of each decoder layer: (per position, fixed)
     carried: int                      # one slot's carried state, kept once per draft position with mtp
+    layer_carried: tuple[int, ...]    # ... of each decoder layer
     dense_stacks: int                 # one layer's expert stacks dequantized whole (0: the stacks are dense)
     trained: int
 
@@ -180,13 +181,13 @@ def _facts_from_shapes(cfg, stacks: dict, dtype: str, label: str, quant: str) ->
     per_position = -(-(state(2 * STATE_PROBE) - state(STATE_PROBE)) // STATE_PROBE)
     fixed = max(state(STATE_PROBE) - per_position * STATE_PROBE, 0)
     layer_states = per_layer_states(cfg, torch_dtype, extra)
-    carried = sum(t.numel() * t.element_size() for t in SequenceState(cfg, 1, "meta", torch_dtype).carried())
+    layer_carried = tuple(SequenceState(cfg, 1, "meta", torch_dtype).carried_by_layer())
     dense = 0
     for name in ("gate_up_proj", "down_proj"):
         shapes = [shape for key, (_, shape) in stacks.items() if key.endswith(f".experts.{name}")]
         dense += max((math.prod(shape) for shape in shapes), default=0) * torch_dtype.itemsize
-    return ModelFacts(label, cfg, dtype, quant, weights, ple, layers, per_position, fixed, layer_states, carried,
-                      dense, cfg.max_position_embeddings)
+    return ModelFacts(label, cfg, dtype, quant, weights, ple, layers, per_position, fixed, layer_states,
+                      sum(layer_carried), layer_carried, dense, cfg.max_position_embeddings)
 
 
 def per_layer_states(cfg, dtype, extra: int) -> tuple[tuple[int, int], ...]:
@@ -257,6 +258,12 @@ class DeviceSize:
     total: int
     limit: int | None = None
     measured: bool = False    # `total` is what this process can hold there now (measured_size): nothing to take off
+    integrated: bool = False  # a GPU whose memory is the system's (measured_size reads it; an estimate cannot)
+
+    @property
+    def holds_host_memory(self) -> bool:
+        """Whether host memory is this device's memory: a PLE table kept in host memory takes from its share."""
+        return self.kind == "cpu" or self.integrated
 
     @property
     def reserved(self) -> int:
@@ -372,9 +379,10 @@ def estimate_plan(facts: ModelFacts, target: DeviceSize, splits: tuple[DeviceSiz
     est.fit, est.tried = _decide(est, trained, step, floor, max_chunk, split=False)
     if splits:
         est.split, est.split_tried = _decide(est, trained, step, floor, max_chunk, split=True)
-        if est.split.ple == "host":
-            est.notes.append("split: on a unified-memory box host memory is the integrated GPU's memory too, so a PLE "
-                             "table in host memory takes from the split device's share")
+        if est.split.ple == "host" and not all(d.holds_host_memory for d in splits):
+            est.notes.append("split: the PLE table in host memory is counted only against split devices named "
+                             "`cpu`; whether a GPU is integrated (its memory the system's) an estimate cannot tell "
+                             "(serve reads it): with an integrated GPU as `split`, the table takes from its share")
     return est
 
 
@@ -432,7 +440,7 @@ def _search(est: Estimate, ple: str, trained: int, step: int, floor: int, max_ch
     if counts is not None:
         on_target, splits = split_inputs(facts, est.splits, counts, ple == "host")
         weights = fit.weights = on_target.weights
-        per_position, fixed = on_target.per_position, on_target.fixed + est.drafts * facts.carried
+        per_position, fixed = on_target.per_position, on_target.fixed + est.drafts * on_target.carried
         fit.split_layers = {part.device.name: (part.first, part.last, part.weights) for part in splits if part.layers}
     try:
         available = _core.DeviceBudget(target.name, target.capacity, bytes_per_position=0,
@@ -447,13 +455,14 @@ def _search(est: Estimate, ple: str, trained: int, step: int, floor: int, max_ch
     def planner():
         # Each split device runs the chunk through its layers: the same workspace line there.
         others = tuple(_core.DeviceBudget(
-            part.device.name, part.device.capacity, bytes_per_position=part.per_position * est.slots,
-            weights=part.weights, slot_state=part.fixed * est.slots, workspace=fit.samples if part.layers else [],
-            slots=est.slots, headroom=est.headroom) for part in splits)
+            part.device.name, _room(part.device, ple, facts), bytes_per_position=part.per_position * est.slots,
+            weights=part.weights, slot_state=(part.fixed + est.drafts * part.carried) * est.slots,
+            workspace=fit.samples if part.layers else [], slots=est.slots, headroom=est.headroom) for part in splits)
         return budget_planner(target.name, target.capacity, weights=weights, per_position=per_position, fixed=fixed,
                               samples=fit.samples, slots=est.slots, snapshots_on_device=est.snapshots_on_device,
                               headroom=est.headroom, trained=trained, step=step, floor=floor,
-                              chunk_floor=est.chunk_floor, max_chunk=max_chunk, others=others)
+                              chunk_floor=est.chunk_floor, max_chunk=max_chunk, others=others,
+                              snapshot=(facts.per_position, facts.fixed))     # a snapshot holds the whole state
 
     def estimate():
         try:
@@ -484,7 +493,9 @@ def _best_split(est: Estimate, ple: str, trained: int, step: int, floor: int, ma
     counts: list[int] = []
     best = None
     for j, device in enumerate(est.splits):
-        room = _core.DeviceBudget(device.name, device.capacity, bytes_per_position=0, headroom=est.headroom).available
+        room = _core.DeviceBudget(device.name, _room(device, ple, est.facts), bytes_per_position=0,
+                                  headroom=est.headroom).available
+        here = None              # this device's best count and its fit, given the counts before it
         for k in range(layers - sum(counts) + 1):
             trial = tuple(counts + [k] + [0] * (len(est.splits) - j - 1))
             held = split_inputs(est.facts, est.splits, trial, ple == "host")[1][j]
@@ -492,10 +503,17 @@ def _best_split(est: Estimate, ple: str, trained: int, step: int, floor: int, ma
                 break
             fit = _search(est, ple, trained, step, floor, max_chunk, trial)
             # Where nothing fits, the most layers off the target tell what is still missing.
-            if best is None or (fit.context or 0) > (best[1].context or 0) or not (fit.context or best[1].context):
-                best = (k, fit)
-        counts.append(best[0])
+            if here is None or (fit.context or 0) > (here[1].context or 0) or not (fit.context or here[1].context):
+                here = (k, fit)
+        counts.append(here[0])
+        best = here
     return best[1]
+
+
+def _room(device: DeviceSize, ple: str, facts: ModelFacts) -> int:
+    """A split device's capacity, less the PLE table where it sits in host memory and host memory is the device's
+    (1 byte at least: a budget's capacity is never 0, and nothing fits in it)."""
+    return max(device.capacity - (facts.ple_table if ple == "host" and device.holds_host_memory else 0), 1)
 
 
 @dataclass(frozen=True)
@@ -509,6 +527,7 @@ class DevicePart:
     weights: int
     per_position: int
     fixed: int
+    carried: int          # one slot's carried state of these layers (kept per draft position)
 
 
 def split_inputs(facts: ModelFacts, splits: tuple[DeviceSize, ...], counts: tuple[int, ...], ple_on_host: bool
@@ -525,12 +544,12 @@ def split_inputs(facts: ModelFacts, splits: tuple[DeviceSize, ...], counts: tupl
         first = end - count
         parts.append(DevicePart(device, count, first, end - 1, sum(layer_bytes[first:end]),
                                 sum(p for p, _ in facts.layer_states[first:end]),
-                                sum(f for _, f in facts.layer_states[first:end])))
+                                sum(f for _, f in facts.layer_states[first:end]), sum(facts.layer_carried[first:end])))
         end = first
     target = DevicePart(DeviceSize("target", "target", "", 0), end, 0, end - 1,
                         facts.on_device(ple_on_host) - sum(part.weights for part in parts),
                         facts.per_position - sum(part.per_position for part in parts),
-                        facts.fixed - sum(part.fixed for part in parts))
+                        facts.fixed - sum(part.fixed for part in parts), sum(facts.layer_carried[:end]))
     return target, parts
 
 
@@ -564,14 +583,21 @@ def parse_devices(text: str, kind: str, limit: int | None) -> tuple[DeviceSize, 
     return target, tuple(DeviceSize("split", name, kind, total) for name, total in zip(names, splits))
 
 
-def measured_size(role: str, name, limit: int | None) -> DeviceSize:
+def measured_size(role: str, name, limit: int | None, host_reserve: int = 0) -> DeviceSize:
     """A device of this box as the engine would use it now: what it has free (fit_measure.usable_capacity, nothing
-    held yet), capped by `limit`."""
+    held yet), capped by `limit`; a device whose memory is the host's less `host_reserve` (the prefix cache's share
+    of host memory, EngineConfig.host_snapshot_reserve)."""
+    import torch
+
     from .fit_measure import usable_capacity
     from .memory import as_device
 
     device = as_device(name)
-    return DeviceSize(role, str(name), device.type, usable_capacity(device, 0)[0], limit, measured=True)
+    integrated = device.type == "cuda" and torch.cuda.get_device_properties(device).is_integrated
+    free = usable_capacity(device, 0)[0]
+    if device.type == "cpu" or integrated:
+        free = max(free - host_reserve, 1)
+    return DeviceSize(role, str(name), device.type, free, limit, measured=True, integrated=integrated)
 
 
 def profile_devices(settings) -> tuple[DeviceSize, tuple[DeviceSize, ...]]:

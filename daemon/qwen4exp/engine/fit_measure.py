@@ -198,7 +198,7 @@ def warm_up(model: Qwen4ExpForCausalLM, device: torch.device, rows: int) -> None
     QSA's dense limit, so the indexer's scoring path runs too."""
     capacity = rows + model.config.dense_limit + 1
     run_with_oom_retry(lambda: run_chunk(model, model.new_state(capacity, device), rows, device), device,
-                       f"a {rows}-row warm-up chunk")
+                       f"a {rows}-row warm-up chunk", also=device_names(model, device)[1:])
     _release(model, device)
 
 
@@ -211,7 +211,8 @@ def measure_workspace(model: Qwen4ExpForCausalLM, device: torch.device, position
         meters = run_chunk(model, model.new_state(position, device), rows, device)
         return {name: meters[name].peak for name in meters.names}
     try:
-        return run_with_oom_retry(sample, device, f"a {rows}-row chunk at position {position}")
+        return run_with_oom_retry(sample, device, f"a {rows}-row chunk at position {position}",
+                                  also=device_names(model, device)[1:])
     finally:
         _release(model, device)
 

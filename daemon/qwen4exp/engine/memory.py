@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -106,9 +106,11 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
-def run_with_oom_retry(fn: Callable[[], T], device: torch.device | str, what: str | None = None) -> T:
-    """Run `fn`; after an out-of-memory error release the cached blocks and run it once more. A second
-    out-of-memory error becomes a `DeviceMemoryError` naming `what`, the bytes in use and the limit."""
+def run_with_oom_retry(fn: Callable[[], T], device: torch.device | str, what: str | None = None,
+                       also: Sequence[torch.device | str] = ()) -> T:
+    """Run `fn`; after an out-of-memory error release the cached blocks (of `device` and of the devices `also`
+    names: a split model's) and run it once more. A second out-of-memory error becomes a `DeviceMemoryError`
+    naming `what`, the bytes in use and the limit."""
     device = as_device(device)
     try:
         return fn()
@@ -119,7 +121,8 @@ def run_with_oom_retry(fn: Callable[[], T], device: torch.device | str, what: st
     # Out of the except block: the traceback's frames (and the tensors they hold) are gone, so the
     # release below can give their blocks back.
     gc.collect()
-    release_cached_blocks(device)
+    for each in (device, *also):
+        release_cached_blocks(each)
     try:
         return fn()
     except Exception as err:
@@ -129,8 +132,9 @@ def run_with_oom_retry(fn: Callable[[], T], device: torch.device | str, what: st
         if limit is None and device.type == "cuda":
             limit = torch.cuda.mem_get_info(device)[1]
         name = what or getattr(fn, "__name__", "the work")
+        where = f"{device}" + (f" or {', '.join(map(str, also))}" if also else "")
         raise DeviceMemoryError(
-            f"out of memory on {device} while running {name}, again after releasing cached blocks: "
+            f"out of memory on {where} while running {name}, again after releasing cached blocks: "
             f"{human_size(bytes_in_use(device))} in use, limit {human_size(limit)} "
             f"(first error: {first})") from err
 

@@ -151,10 +151,11 @@ class SnapshotCopier:
             for source, offset in zip(sources, offsets):
                 view = buffer[offset:offset + source.numel() * source.element_size()]
                 view = view.view(source.dtype).view(source.shape)
-                # A split model's layers on another GPU copy on that GPU's stream, which `done` does not follow:
-                # those copies finish before the buffer is handed out.
-                view.copy_(source, non_blocking=stream is None or source.device == stream.device)
-                if stream is not None:
+                # A split model's layers on another device (the host, another GPU) copy outside this stream, which
+                # `done` does not follow: those copies finish before the buffer is handed out.
+                here = stream is not None and source.device == stream.device
+                view.copy_(source, non_blocking=stream is None or here)
+                if here:
                     # The prompt's stream may free or reuse a source's memory once this stream has read it.
                     source.record_stream(stream)
                 views.append(view)

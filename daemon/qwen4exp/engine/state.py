@@ -138,6 +138,14 @@ class SequenceState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def carried_by_layer(self) -> list[int]:
+        """Each decoder layer's bytes of `carried()` (its recurrent and conv state, its PLE state)."""
+        sizes = [sum(t.numel() * t.element_size() for t in (layer.conv, layer.recurrent))
+                 if isinstance(layer, DeltaNetState) else 0 for layer in self.layers]
+        for index, ple in self.ple.items():
+            sizes[index] += sum(t.numel() * t.element_size() for t in (ple.conv, ple.context_ids))
+        return sizes
+
     def nbytes_by_layer(self) -> tuple[list[int], int]:
         """(each decoder layer's bytes, its PLE state's included; the MTP head's cache)."""
         layers = [sum(t.numel() * t.element_size() for t in vars(layer).values()) for layer in self.layers]
@@ -198,9 +206,10 @@ class StateBatch:
         sub-step last[row] (a device tensor [N]; substeps - 1: as the step left it). No host synchronisation."""
         if substeps == 1:
             return
-        rows = torch.arange(len(self.rows), device=last.device)
+        # A split model's layer states sit on their layers' devices (placement.py): the indices go to each once.
+        indices = {last.device: (last, torch.arange(len(self.rows), device=last.device))}
         for tensor in _carried(self.layers, self.ple):
             kept = self._history[id(tensor)][:substeps - 1]
-            # A split model's layer states sit on their layers' devices (placement.py).
-            here = (last, rows) if tensor.device == last.device else (last.to(tensor.device), rows.to(tensor.device))
-            tensor.copy_(torch.cat((kept, tensor[None]))[here])
+            if tensor.device not in indices:
+                indices[tensor.device] = tuple(t.to(tensor.device) for t in indices[last.device])
+            tensor.copy_(torch.cat((kept, tensor[None]))[indices[tensor.device]])

@@ -9,6 +9,7 @@ moved or cast.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -56,6 +57,25 @@ def _hand_over(streams: list[torch.Tensor], pending: list, device: torch.device)
             [None if part is None else tuple(t.to(device) for t in part) for part in pending])
 
 
+def _current(name: str | None) -> contextlib.AbstractContextManager:
+    """A GPU named by a split model's placement as the current device while a run of layers is there (nothing for
+    the CPU, or for a model on one device: None)."""
+    device = None if name is None else torch.device(name)
+    return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
+
+
+def _on_target(method):
+    """A split model's forward with its target as the current device throughout (the embedding, the LM head and
+    the MTP head launch there too), whatever device the calling thread has."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.placement is None:
+            return method(self, *args, **kwargs)
+        with _current(self.placement.target):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class Qwen4ExpForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -75,6 +95,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         super()._apply(fn, recurse)
         self.ops = ops_for(self.lm_head.weight)
         self._layer_ops = {}
+        self._rope_tables = {}           # made again where the weights are now
         return self
 
     # ---- placement over several devices (placement.py) ---------------------------------------------------------
@@ -184,6 +205,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         return [logits for logits, _ in self.forward_chunks_with_streams(chunks, all_logits, between_layers)]
 
     @torch.inference_mode()
+    @_on_target
     def forward_chunks_with_streams(self, chunks: list[tuple[torch.Tensor, SequenceState]], all_logits: bool = False,
                                     between_layers: Callable[[], None] | None = None
                                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -228,6 +250,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         Returns (logits [R, V], the final streams [R, hc*H] the MTP head reads)."""
         return self.verify_rows_impl(token_ids, positions, active, states, rope, substeps)
 
+    @_on_target
     def verify_rows_impl(self, token_ids, positions, active, states: StateBatch, rope, substeps: int
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         if substeps > 1 and not self.rows_independent:
@@ -240,6 +263,7 @@ class Qwen4ExpForCausalLM(nn.Module):
 
     # ---- the MTP head (speculative decoding's drafter) ---------------------------------------------------------
     @torch.inference_mode()
+    @_on_target
     def draft_chunk(self, streams: torch.Tensor, token_ids: torch.Tensor, state: SequenceState, start: int) -> None:
         """The MTP head over a prompt's positions start..start+n-1 (streams [n, hc*H] of those positions, token_ids
         [n] the tokens after them): fills its attention cache (state.extra) there, as drafting will read it."""
@@ -248,6 +272,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.mtp(self.mtp.fuse(streams, self.ops.table_rows(self.model.embed_tokens, token_ids), step), step)
 
     @torch.inference_mode()
+    @_on_target
     def draft_rows(self, streams: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
                    active: torch.Tensor, states: StateBatch, rope: tuple[torch.Tensor, torch.Tensor],
                    substeps: int = 1, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -278,25 +303,29 @@ class Qwen4ExpForCausalLM(nn.Module):
         pending: list = [None] * len(steps)
         last = len(self.model.layers) - 1
         on_target, here = steps, None if self.placement is None else self.placement.target
-        with contextlib.ExitStack() as current:
+        # A split model's GPU layers run with their GPU as the current device (Triton launches there), the rest with
+        # the target as the current device.
+        with _current(here), contextlib.ExitStack() as current:
             for index, layer in enumerate(self.model.layers):
                 if here is not None and self.placement.layers[index] != here:      # a split model's boundary
                     here = self.placement.layers[index]
                     steps = on_target if here == self.placement.target else \
                         [step.on(torch.device(here), self._ops_on(index), self.rope) for step in on_target]
                     streams, pending = _hand_over(streams, pending, torch.device(here))
-                    if torch.device(here).type == "cuda":   # Triton launches on the current device
-                        current.enter_context(torch.cuda.device(torch.device(here)))
+                    current.close()
+                    current.enter_context(_current(here))
                 streams, pending = self._layer(layer, streams, steps, pending)
                 if between_layers is not None and index < last:
-                    between_layers()
-        if steps is not on_target:          # back to the target for the mixer and the LM head
-            steps = on_target
-            streams, pending = _hand_over(streams, pending, torch.device(self.placement.target))
-        results = []
-        for stream, step, inject in zip(streams, steps, pending):
-            stream, hidden, _ = self.model.hyper_connection_mixer(stream, step, inject=inject)
-            results.append((hidden, stream))
+                    with _current(None if here is None else self.placement.target):
+                        between_layers()
+            if steps is not on_target:          # back to the target for the mixer and the LM head
+                steps = on_target
+                streams, pending = _hand_over(streams, pending, torch.device(self.placement.target))
+                current.close()
+            results = []
+            for stream, step, inject in zip(streams, steps, pending):
+                stream, hidden, _ = self.model.hyper_connection_mixer(stream, step, inject=inject)
+                results.append((hidden, stream))
         return results
 
     def _layer(self, layer, streams: list, steps: list[Step], pending: list) -> tuple[list, list]:
