@@ -81,7 +81,8 @@ def main() -> int:
     fit = choice.fit
     result = {
         "date": datetime.date.today().isoformat(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(),
         "machine": torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu",
         "devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "args": vars(args), "placement": (model.placement or placement).to_json(), "ple_on_host": ple_on_host,
