@@ -82,6 +82,10 @@ class DecodeRunner:
             return self._step(i["tokens"], i["positions"], i["active"], self.states, self.rope)
 
     def _capture(self) -> None:
+        with torch.cuda.device(self.device):        # the capture's streams and pool are the engine's device's
+            self._capture_here()
+
+    def _capture_here(self) -> None:
         started = time.perf_counter()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -116,7 +120,7 @@ class DecodeRunner:
         for i in host_rows:
             self._logits_host[i].copy_(logits[i], non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return LaunchedStep(logits, self._argmax_host if argmax else None,
                             {i: self._logits_host[i] for i in host_rows}, event)
 
@@ -130,7 +134,7 @@ class DecodeRunner:
             host.copy_(torch.tensor(values, dtype=host.dtype))
             self._inputs[name].copy_(host, non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
         if self.graph is None:
             return self._run()
         self.graph.replay()

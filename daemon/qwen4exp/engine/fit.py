@@ -292,7 +292,7 @@ def fit_context(model: torch.nn.Module, *, slots: int, chunk_floor: int = 256, m
                              f"{human_size(room)}" + (f" on {part.name}" if len(parts) > 1 else ""))
 
     estimate(", before measuring the chunk's workspace")    # the fixed parts alone may not fit
-    warm_up(model, device, chunk_floor)
+    warm_up(model, device, chunk_floor, slots)
     plan = settle_workspace(sample, estimate, target.samples, floor, trained)
     verifications: list[Verification] = []
     chunk = min(plan.chunk, plan.context)

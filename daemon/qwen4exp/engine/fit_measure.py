@@ -192,13 +192,19 @@ def _release(model: Qwen4ExpForCausalLM, device: torch.device) -> None:
         release_cached_blocks(name)
 
 
-def warm_up(model: Qwen4ExpForCausalLM, device: torch.device, rows: int) -> None:
-    """One chunk before any measurement: a process's first forward also pays for lazy set-up (thread
-    pools, kernels' scratch), ~18 MiB more than later ones on the tiny model on the CPU. It ends past
-    QSA's dense limit, so the indexer's scoring path runs too."""
+def warm_up(model: Qwen4ExpForCausalLM, device: torch.device, rows: int, slots: int = 1) -> None:
+    """One chunk and one decode step over `slots` rows before any measurement: a process's first forward also
+    pays for lazy set-up (thread pools, kernels' scratch, a GPU's kernels compiled in this process), ~18 MiB more
+    than later ones on the tiny model on the CPU, which a CPU's peak (a split model's layers on the host) would
+    count. The chunk ends past QSA's dense limit, so the indexer's scoring path runs too."""
     capacity = rows + model.config.dense_limit + 1
-    run_with_oom_retry(lambda: run_chunk(model, model.new_state(capacity, device), rows, device), device,
-                       f"a {rows}-row warm-up chunk", also=device_names(model, device)[1:])
+
+    def run() -> None:
+        run_chunk(model, model.new_state(capacity, device), rows, device)
+        run_decode(model, model.new_state_batch(slots, capacity, device), device)
+
+    run_with_oom_retry(run, device, f"a {rows}-row warm-up chunk and decode step",
+                       also=device_names(model, device)[1:])
     _release(model, device)
 
 

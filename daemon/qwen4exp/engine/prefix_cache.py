@@ -23,15 +23,10 @@ from .state import SequenceState
 log = logging.getLogger("qwen4exp.prefix_cache")
 
 
-def _device_of(state: SequenceState) -> torch.device:
-    return next(iter(vars(state.layers[0]).values())).device
-
-
 def _wait_for_copies(state: SequenceState) -> None:
     """Finish the restore's copies before the snapshot is unpinned (and may be evicted), and so that the
-    restore time is measured, not just queued."""
-    device = _device_of(state)
-    if device.type == "cuda":
+    restore time is measured, not just queued: on every GPU the state is on (a split model's, placement.py)."""
+    for device in {t.device for t in state.tensors() if t.device.type == "cuda"}:
         torch.cuda.current_stream(device).synchronize()
 
 
@@ -100,7 +95,7 @@ class PrefixCache:
         try:
             snapshot.restore(state, self.ratio)
             if snapshot.length == len(prompt_ids):
-                logits = snapshot.logits.to(_device_of(state), non_blocking=True)
+                logits = snapshot.logits.to(state.device, non_blocking=True)
             _wait_for_copies(state)
         finally:
             with self._lock:

@@ -130,10 +130,12 @@ class SnapshotCopier:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def copy(self, sources: list[torch.Tensor], total: int, offsets: list[int]) -> "Future[_Filled]":
+    def copy(self, sources: list[torch.Tensor], total: int, offsets: list[int],
+             device: torch.device | None = None) -> "Future[_Filled]":
         """Queue the copy of `sources` (which nothing may overwrite until the copy is waited for) into one new
-        buffer of `total` bytes, each at its offset."""
-        device = sources[0].device
+        buffer of `total` bytes, each at its offset; on `device`'s copy stream beside a GPU (the state's target:
+        default the first source's device)."""
+        device = device or sources[0].device
         if device.type != "cuda":
             return self._thread.submit(self._fill, sources, total, offsets, None, None)
         made = torch.cuda.Event()
@@ -199,8 +201,8 @@ class Snapshot:
         pieces, offsets, total = _layout(state, ratio, logits)
         sources = [piece.clone() if overwritten else piece for piece, overwritten in pieces]
         copier = copier or SnapshotCopier(backend)
-        return cls(copier.copy(sources, total, offsets), total, state.length, backend.tier, sources[0].device,
-                   logits is not None)
+        return cls(copier.copy(sources, total, offsets, state.device), total, state.length, backend.tier,
+                   state.device, logits is not None)
 
     @staticmethod
     def nbytes_for(state: SequenceState, ratio: int, logits: torch.Tensor | None = None) -> int:

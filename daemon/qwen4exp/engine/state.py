@@ -99,6 +99,7 @@ class SequenceState:
             raise CapacityError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
         self.length = 0
+        self.device = torch.device(device)       # the target's: a split model's layers may hold theirs elsewhere
         self._eos = cfg.eos_token_id
         self.layers, self.ple, self.extra = _parts or _allocate(cfg, capacity, device, dtype,
                                                                 extra_attention_layers, (), layer_devices)
