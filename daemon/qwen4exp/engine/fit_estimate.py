@@ -24,7 +24,7 @@ engine yet; `estimate_split` says what the planner's multi-device budget would g
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -532,25 +532,31 @@ class DevicePart:
 
 def split_inputs(facts: ModelFacts, splits: tuple[DeviceSize, ...], counts: tuple[int, ...], ple_on_host: bool
                  ) -> tuple[DevicePart, list[DevicePart]]:
-    """The target's part and each split device's when split device j holds counts[j] whole layers, the first from
-    the last layer down (placement.Placement.with_split): a layer's weights and its state go together; the target
-    keeps the embedding, the LM head, the MTP head and its cache, and the rest."""
+    """The target's part and each split device's when split device j holds counts[j] whole layers, placed as
+    placement.Placement.with_split places them: a layer's weights and its state go together; the target keeps the
+    embedding, the LM head, the MTP head and its cache, and the layers left."""
+    from .placement import Placement
+
     layer_bytes = list(facts.layers)
     if ple_on_host and facts.ple_table:        # the table sits in its layer's bytes; in host memory it is not
         for layer_id in facts.cfg.ple_layer_ids:
             layer_bytes[layer_id - 1] -= facts.ple_table // len(facts.cfg.ple_layer_ids)
-    parts, end = [], len(layer_bytes)
-    for device, count in zip(splits, counts):
-        first = end - count
-        parts.append(DevicePart(device, count, first, end - 1, sum(layer_bytes[first:end]),
-                                sum(p for p, _ in facts.layer_states[first:end]),
-                                sum(f for _, f in facts.layer_states[first:end]), sum(facts.layer_carried[first:end])))
-        end = first
-    target = DevicePart(DeviceSize("target", "target", "", 0), end, 0, end - 1,
-                        facts.on_device(ple_on_host) - sum(part.weights for part in parts),
-                        facts.per_position - sum(part.per_position for part in parts),
-                        facts.fixed - sum(part.fixed for part in parts), sum(facts.layer_carried[:end]))
-    return target, parts
+    target = DeviceSize("target", "target", "", 0)
+    placement = Placement.with_split(target.name, len(layer_bytes), [(d.name, c) for d, c in zip(splits, counts)])
+
+    def part(device: DeviceSize) -> DevicePart:
+        held = [i for i, name in enumerate(placement.layers) if name == device.name]
+        return DevicePart(device, len(held), held[0] if held else 0, held[-1] if held else -1,
+                          sum(layer_bytes[i] for i in held), sum(facts.layer_states[i][0] for i in held),
+                          sum(facts.layer_states[i][1] for i in held), sum(facts.layer_carried[i] for i in held))
+
+    parts = [part(device) for device in splits]
+    on_target = part(target)
+    # The target's own bytes besides its layers (embedding, LM head, MTP head and its cache): the whole model's less
+    # what the split devices hold.
+    return replace(on_target, weights=facts.on_device(ple_on_host) - sum(p.weights for p in parts),
+                   per_position=facts.per_position - sum(p.per_position for p in parts),
+                   fixed=facts.fixed - sum(p.fixed for p in parts)), parts
 
 
 # ---- sizes from flags or a profile --------------------------------------------------------------------------------
