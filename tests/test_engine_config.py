@@ -133,13 +133,11 @@ def test_a_table_the_fit_moved_to_the_host_stays_there_after_an_unpark_and_in_a_
     """The context fitted with `ple = "auto"`'s table in host memory is kept by an unpark (release level) and by
     a worker started after a crash, neither of which fits again: both must load the table into host memory
     again, or they would serve a context the device cannot hold."""
-    import asyncio
-
     from qwen4exp.engine import fit
     from qwen4exp.engine.loading import quantized_ple_tables
-    from qwen4exp.server.messages import ParkLevel, Ready
-    from qwen4exp.server.supervisor import Supervisor
+    from qwen4exp.server.messages import ParkLevel
     from qwen4exp.server.worker import Worker
+    from restarted_worker import next_worker_config
 
     path, _ = quantized_table_model(tmp_path)
 
@@ -160,9 +158,4 @@ def test_a_table_the_fit_moved_to_the_host_stays_there_after_an_unpark_and_in_a_
     assert all(table.host for table in quantized_ple_tables(worker.engine.model))
     worker.park(ParkLevel.RELEASE)
 
-    supervisor = Supervisor(config)
-    loop = asyncio.new_event_loop()
-    supervisor._ready = loop.create_future()
-    supervisor._dispatch(Ready(info))
-    loop.close()
-    assert supervisor.config.ple == "host"           # what the next worker is started with
+    assert next_worker_config(config, info).ple == "host"           # what the next worker is started with

@@ -299,11 +299,9 @@ def test_a_profiles_split_devices_reach_the_engine_config(tmp_path):
 def test_the_placement_is_kept_by_an_unpark_and_by_a_restarted_worker(monkeypatch):
     """The context fitted for a placement counts on it: an unpark (release level) reloads the layers where they
     were, whatever is free by then, and the daemon starts a crashed worker's successor with the same placement."""
-    import asyncio
-
-    from qwen4exp.server.messages import ParkLevel, Ready
-    from qwen4exp.server.supervisor import Supervisor
+    from qwen4exp.server.messages import ParkLevel
     from qwen4exp.server.worker import Worker
+    from restarted_worker import next_worker_config
 
     config = _config(52 * MiB, 40 * MiB, prefix_cache=False)
     worker = Worker(config, conn=None)
@@ -317,9 +315,4 @@ def test_the_placement_is_kept_by_an_unpark_and_by_a_restarted_worker(monkeypatc
     assert worker.load()["context"] == info["context"] and worker.engine.model.placement == placed
     worker.park(ParkLevel.RELEASE)
 
-    supervisor = Supervisor(config)
-    loop = asyncio.new_event_loop()
-    supervisor._ready = loop.create_future()
-    supervisor._dispatch(Ready(info))
-    loop.close()
-    assert supervisor.config.placement == placed          # what the next worker is started with
+    assert next_worker_config(config, info).placement == placed          # what the next worker is started with
