@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _core
-from .fit_measure import (Verification, device_names, measure_states, measure_workspace, placed_weight_bytes,
-                          usable_capacity, verify_context, warm_up)
+from .fit_measure import (Verification, device_names, layer_homes, measure_states, measure_workspace,
+                          placed_weight_bytes, usable_capacity, verify_context, warm_up)
 from .memory import DeviceMemoryError, as_device, device_memory_limit, human_size, run_with_oom_retry
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
@@ -94,8 +94,7 @@ def carried_bytes(model: Qwen4ExpForCausalLM) -> int:
 def carried_on(model: Qwen4ExpForCausalLM, name: str, target: str) -> int:
     """`carried_bytes` of the layers on device `name` (the history sits with each carried tensor)."""
     sizes = SequenceState(model.config, 1, "meta", model.lm_head.weight.dtype).carried_by_layer()
-    where = model.placement.layers if model.placement is not None else [target] * len(sizes)
-    return sum(size for size, device in zip(sizes, where) if device == name)
+    return sum(size for size, home in zip(sizes, layer_homes(model, target)) if home == name)
 
 
 def resolve_max_ctx(value: str | int, model: torch.nn.Module, **fit_kwargs) -> ContextChoice:

@@ -593,17 +593,16 @@ def measured_size(role: str, name, limit: int | None, host_reserve: int = 0) -> 
     """A device of this box as the engine would use it now: what it has free (fit_measure.usable_capacity, nothing
     held yet), capped by `limit`; a device whose memory is the host's less `host_reserve` (the prefix cache's share
     of host memory, EngineConfig.host_snapshot_reserve)."""
-    import torch
-
     from .fit_measure import usable_capacity
     from .memory import as_device
+    from .snapshot import snapshots_share_device_memory
 
     device = as_device(name)
-    integrated = device.type == "cuda" and torch.cuda.get_device_properties(device).is_integrated
     free = usable_capacity(device, 0)[0]
-    if device.type == "cpu" or integrated:
+    if snapshots_share_device_memory(device):          # the CPU, or a GPU whose memory is the system's
         free = max(free - host_reserve, 1)
-    return DeviceSize(role, str(name), device.type, free, limit, measured=True, integrated=integrated)
+    return DeviceSize(role, str(name), device.type, free, limit, measured=True,
+                      integrated=device.type == "cuda" and snapshots_share_device_memory(device))
 
 
 def profile_devices(settings) -> tuple[DeviceSize, tuple[DeviceSize, ...]]:

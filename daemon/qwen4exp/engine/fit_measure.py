@@ -43,16 +43,20 @@ def device_names(model: Qwen4ExpForCausalLM, device: torch.device) -> list[str]:
     return model.placement.devices if model.placement is not None else [str(device)]
 
 
+def layer_homes(model: Qwen4ExpForCausalLM, device: torch.device) -> list[str]:
+    """Each decoder layer's device name: its placement's, or `device` (the target) for a model on one device."""
+    return list(model.placement.layers) if model.placement is not None else [str(device)] * len(model.model.layers)
+
+
 def placed_weight_bytes(model: Qwen4ExpForCausalLM, device: torch.device) -> dict[str, int]:
     """`weight_bytes` on each of the model's devices, a decoder layer's tensors counted on its placement's device
     (two names may share one physical device)."""
     if model.placement is None:
         return {str(device): weight_bytes(model, device)}
-    placement = model.placement
-    held = dict.fromkeys(placement.devices, 0)
+    homes, held = layer_homes(model, device), dict.fromkeys(model.placement.devices, 0)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         parts = name.split(".")
-        where = placement.layers[int(parts[2])] if parts[:2] == ["model", "layers"] else placement.target
+        where = homes[int(parts[2])] if parts[:2] == ["model", "layers"] else model.placement.target
         if _on(tensor, torch.device(where)):
             held[where] += tensor.numel() * tensor.element_size()
     return held
@@ -94,8 +98,8 @@ def _counted(model: Qwen4ExpForCausalLM, state, names: list[str]) -> dict[str, i
     layers, extra = state.nbytes_by_layer()
     held = dict.fromkeys(names, 0)
     held[names[0]] += extra
-    for index, size in enumerate(layers):
-        held[model.placement.layers[index] if model.placement is not None else names[0]] += size
+    for home, size in zip(layer_homes(model, names[0]), layers):
+        held[home] += size
     return held
 
 
