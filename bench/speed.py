@@ -71,6 +71,7 @@ from first_token_parts import _segments, first_token, first_token_parts, plain_f
 from qwen4exp.checkpoint.gguf_writer import MIXES, ONE_TYPE
 from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.engine_config import EngineConfig
+from qwen4exp.engine.fit import FitError
 from qwen4exp.engine.loading import DTYPES, load_model, resolve_device
 from qwen4exp.engine.model.quantized import QuantizedStack
 from qwen4exp.engine.request import FinishReason, Request
@@ -576,6 +577,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fit", action="store_true",
                    help="also fit the largest context for --slots slots and --chunk on the device, as the daemon "
                         "does for max_ctx = 'auto' (the PLE table stays where --ple put it)")
+    p.add_argument("--headroom", type=float, default=0.1, help="with --fit: the fraction of the device kept free")
     p.add_argument("--compare-transformers", action="store_true")
     p.add_argument("--hf-decode-steps", type=int, default=16, help="transformers decode steps timed")
     args = p.parse_args(argv)
@@ -649,15 +651,23 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
     result["model"] = {"source": args.checkpoint or f"random {args.preset}", "layers": cfg.num_hidden_layers,
                        "dtype": args.dtype, "quant": args.quant, "ple": args.ple, **work.summary()}
 
-    fit_s = 0.0
+    fit_s, fitted = 0.0, None
     if args.fit:     # what `max_ctx = "auto"` serves with --slots slots and --chunk (the daemon's own fit)
-        fitted = EngineConfig(slots=args.slots, chunk=args.chunk, ple="device").resolve_context(model, device).fit
-        result["fit"] = {"slots": args.slots, "context": fitted.context, "chunk": fitted.chunk,
-                         "seconds": fitted.seconds, "notes": fitted.notes,
+        try:
+            fitted = EngineConfig(slots=args.slots, chunk=args.chunk, ple="device").resolve_context(
+                model, device, headroom=args.headroom).fit
+        except FitError as err:      # the rest is still worth measuring at the context the bench asks for
+            result["fit"] = {"slots": args.slots, "headroom": args.headroom, "error": str(err)}
+            print(f"fit: {err}")
+            fitted = None
+    if fitted is not None:
+        result["fit"] = {"headroom": args.headroom, "slots": args.slots, "context": fitted.context,
+                         "chunk": fitted.chunk, "seconds": fitted.seconds, "notes": fitted.notes,
                          "weights_bytes": fitted.measured.weights if fitted.measured else None,
                          "capacity_bytes": fitted.measured.capacity if fitted.measured else None}
         release(device)
         fit_s = fitted.seconds
+    if args.fit:
         save()
 
     runs = [n for n in args.prefill if n <= args.max_prefill]

@@ -170,6 +170,7 @@ def test_wrong_type_names_file_key_value_and_expectation(etc, tmp_path):
     ('[[devices]]\nname = "rocm:0"\nrole = "target"\n', "ROCm GPUs are cuda:N"),
     ('[[devices]]\nname = "cpu"\nrole = "targt"\n', "did you mean 'target'"),
     ("slots = 17\n", r"slots = 17: .*expected a whole number from 1 to 16"),
+    ("headroom = 0.6\n", r"headroom = 0.6: .*expected a fraction from 0 to 0.5"),
 ])
 def test_rules_between_and_within_keys(etc, tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):

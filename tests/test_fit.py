@@ -251,12 +251,30 @@ def test_plan_takes_its_settings_from_a_profile(tmp_path, capsys, no_cpu_limit):
     assert doc["slots"] == 3                                 # the flag wins over the profile
 
 
+def test_a_profile_headroom_leaves_that_share_free(tmp_path, capsys, no_cpu_limit):
+    """`headroom` in a profile is the share of the device the fit keeps free: 40% of 256 MiB leaves too little for
+    16 slots, 5% (--headroom, which wins over the profile) fits them; a share past one half is refused by name."""
+    from qwen4exp.plan_cli import main
+
+    profile = tmp_path / "box.toml"
+    profile.write_text('model = "tiny"\nslots = 16\nmax_ctx = "auto"\ndevice_memory_limit = "256MiB"\n'
+                       'headroom = 0.4\n[[devices]]\nname = "cpu"\nrole = "target"\n')
+    with pytest.raises(SystemExit, match=r"available 153.6 MiB of 256.0 MiB after 102.4 MiB headroom"):
+        main(["--profile", str(profile), "--no-verify"])
+    assert main(["--profile", str(profile), "--headroom", "0.05", "--no-verify", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["headroom"] == 0.05 and doc["context"] >= 4096
+    with pytest.raises(SystemExit):
+        main(["--profile", str(profile), "--headroom", "0.6"])
+    assert "--headroom: 0.6 is not a fraction from 0 to 0.5" in capsys.readouterr().err
+
+
 class _Recorded(Exception):
     pass
 
 
 @pytest.mark.parametrize("devices, chunk, slots, floor", [
-    ('device_memory_limit = "256MiB"\n[[devices]]\nname = "cpu"\nrole = "target"\n', 512, 2, 512),
+    ('device_memory_limit = "256MiB"\nheadroom = 0.2\n[[devices]]\nname = "cpu"\nrole = "target"\n', 512, 2, 512),
     # The device's own limit wins over device_memory_limit; chunk "auto" on the CPU is 64, held as 256 rows.
     (('device_memory_limit = "1GiB"\n[[devices]]\nname = "cpu"\nrole = ["target", "snapshots"]\n'
       'memory_limit = "256MiB"\n'), '"auto"', 3, 256),
@@ -289,5 +307,6 @@ def test_plan_and_serve_fit_the_same_profile_with_the_same_settings(tiny_checkpo
         Worker(EngineConfig.from_settings(load_settings(profile)), conn=None).load()
     planned, served = calls
     assert planned["chunk_floor"] == floor and planned["slots"] == slots and planned["memory_limit"] == 256 * MiB
+    assert planned["headroom"] == (0.2 if "headroom" in devices else 0.1)
     assert planned["snapshots_on_device"] is True          # on the CPU, snapshots take the memory the slots use
     assert planned == served

@@ -112,6 +112,10 @@ def test_an_fp8_checkpoint_is_estimated_as_it_loads(tmp_path):
     est = estimate_plan(full, DeviceSize("target", "cuda:0", "cuda", 139 << 30), chunk=2048, ple="host")
     assert est.fit.context is None and "do not fit" in est.fit.error
     assert 127 << 30 < full.weights - full.ple_table < 128 << 30
+    # With `headroom = 0.05` (a profile key) it serves: the answer an operator of one H200 gets.
+    lean = estimate_plan(full, DeviceSize("target", "cuda:0", "cuda", 139 << 30), chunk=2048, ple="host",
+                         headroom=0.05)
+    assert lean.fit.context is not None and lean.fit.context >= 16384
 
 
 def _stacks_of_mix(cfg, mix: str) -> dict:

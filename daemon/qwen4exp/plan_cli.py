@@ -9,6 +9,16 @@ import sys
 from typing import Any
 
 
+def _headroom(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 0.5:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction from 0 to 0.5")
+    return value
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     plan = subparsers.add_parser(
         "plan", help="measure the model on the device and print the memory plan (fitted context, budget, "
@@ -34,7 +44,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       help="where prefix snapshots live (auto: where serve puts them, on the device for cpu and "
                            "integrated GPUs, else in host memory); on the device one full snapshot per slot is "
                            "reserved")
-    plan.add_argument("--headroom", type=float, default=0.1, help="fraction of capacity kept free (0.1)")
+    plan.add_argument("--headroom", type=_headroom, default=None,
+                      help="fraction of each device's memory kept free (the profile's `headroom`, else 0.1)")
     plan.add_argument("--no-verify", action="store_true",
                       help="skip allocating every slot at the answer to check it for real")
     plan.add_argument("--ple", choices=["auto", "device", "host"], default=None,
@@ -115,7 +126,7 @@ def _config(args: argparse.Namespace):
     flags = {"model": None if args.model is None else str(resolve_model(args.model)), "device": args.device,
              "dtype": args.dtype, "slots": args.slots, "ple": args.ple,
              "max_ctx": None if args.max_ctx is None else _max_ctx(args.max_ctx),
-             "device_memory_limit": parse_limit(args.device_memory_limit)}
+             "device_memory_limit": parse_limit(args.device_memory_limit), "headroom": args.headroom}
     config = replace(config, **{key: value for key, value in flags.items() if value is not None})
     device = config.torch_device()
     if args.chunk is not None or args.profile is None:
@@ -136,9 +147,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
     _, model = config.load_model(progress=not args.json)
-    # What plan asks beyond the engine's own settings: the margin kept free, whether to verify the answer, and
+    # What plan asks beyond the engine's own settings: whether to verify the answer, and
     # where snapshots would live (--snapshots; "auto" is where `serve` puts them).
-    extra: dict[str, Any] = dict(headroom=args.headroom, verify=not args.no_verify)
+    extra: dict[str, Any] = dict(verify=not args.no_verify)
     if args.snapshots not in (None, "auto"):
         extra["snapshots_on_device"] = args.snapshots == "device"
     settings = config.fit_settings(device) | extra
@@ -151,7 +162,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {err}") from None
     header = {"model": config.model, "device": str(device), "dtype": config.dtype_on(device), "slots": config.slots,
               "max_ctx": config.max_ctx, "chunk": config.chunk, "device_memory_limit": config.device_memory_limit,
-              "snapshots": "device" if settings["snapshots_on_device"] else "host"}
+              "headroom": config.headroom, "snapshots": "device" if settings["snapshots_on_device"] else "host"}
     if args.json:
         print(json.dumps(_as_json(header, result)))
     else:
@@ -249,7 +260,8 @@ def _estimate_inputs(args: argparse.Namespace) -> dict[str, Any]:
                 max_ctx=_max_ctx(args.max_ctx) if args.max_ctx is not None else (settings.max_ctx if settings
                                                                                   else "auto"),
                 chunk=chunk, ple=args.ple or (settings.ple if settings else "auto"), snapshots=snapshots,
-                mtp=settings.mtp if settings else "auto")
+                mtp=settings.mtp if settings else "auto",
+                headroom=args.headroom if args.headroom is not None else (settings.headroom if settings else 0.1))
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -260,7 +272,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         inputs = _estimate_inputs(args)
         facts = model_facts(inputs["model"], args.quant, inputs["dtype"])
         est = estimate_plan(facts, inputs["target"], inputs["splits"], slots=inputs["slots"], chunk=inputs["chunk"],
-                            ple=inputs["ple"], headroom=args.headroom, snapshots_on_device=inputs["snapshots"],
+                            ple=inputs["ple"], headroom=inputs["headroom"], snapshots_on_device=inputs["snapshots"],
                             max_ctx=inputs["max_ctx"], mtp=inputs["mtp"])
     except (EstimateError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None

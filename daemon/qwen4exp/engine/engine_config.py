@@ -53,6 +53,7 @@ class EngineConfig:
     prefix_cache: bool = False
     prefix_cache_limit: int | str = "auto"      # bytes of snapshots kept, or "auto" (decided from free memory)
     device_memory_limit: int | None = None      # cap on what the engine allocates on its device
+    headroom: float = 0.1                 # share of each device's memory the context fit leaves free
     queue_limit: int = 64
     cuda_graphs: bool = True
     compile_decode: bool = False
@@ -82,6 +83,9 @@ class EngineConfig:
         if self.device_memory_limit is not None:
             _whole("device_memory_limit", self.device_memory_limit, 1)
         _whole("queue_limit", self.queue_limit, 1)
+        if isinstance(self.headroom, bool) or not isinstance(self.headroom, (int, float)) \
+                or not 0 <= self.headroom <= 0.5:
+            raise ValueError(f"engine setting headroom must be a fraction from 0 to 0.5, got {self.headroom!r}")
         if self.ple not in ("auto", "device", "host"):
             raise ValueError(f"engine setting ple must be 'auto', 'device' or 'host', got {self.ple!r}")
         if self.mtp != "auto":
@@ -106,6 +110,7 @@ class EngineConfig:
                    slots=settings.slots, max_ctx=settings.max_ctx, chunk=settings.chunk_tokens,
                    restore_spacing=settings.restore_spacing, prefix_cache=cache.enabled,
                    prefix_cache_limit=cache.resident_limit, device_memory_limit=settings.memory_limit_for(target),
+                   headroom=settings.headroom,
                    queue_limit=settings.server.queue_limit, cuda_graphs=settings.cuda_graphs,
                    compile_decode=settings.compile_decode, decode_beside_prompts=settings.decode_beside_prompts,
                    batch_prompts=settings.batch_prompts, ple=settings.ple, mtp=settings.mtp,
@@ -164,7 +169,8 @@ class EngineConfig:
             est = estimate_plan(facts, measured_size("target", device, self.device_memory_limit),
                                 tuple(measured_size("split", name, limit, reserve) for name, limit in self.split),
                                 slots=self.slots, chunk=self.chunk, ple=self.ple, max_ctx=self.max_ctx,
-                                snapshots_on_device=snapshots_share_device_memory(device), mtp=self.mtp)
+                                headroom=self.headroom, snapshots_on_device=snapshots_share_device_memory(device),
+                                mtp=self.mtp)
         except EstimateError as err:
             raise FitError(f"placing layers on {', '.join(name for name, _ in self.split)}: {err}") from None
         fit = est.split
@@ -177,12 +183,12 @@ class EngineConfig:
 
     def fit_settings(self, device) -> dict[str, Any]:
         """The context fit's inputs for this engine on `device`, the same for `serve` and `plan`: the slots, the
-        chunk it must hold at the last position (rounded up to the planner's granule), the memory limit, and
-        whether prefix snapshots take the device's memory (where the snapshot backend puts them)."""
+        chunk it must hold at the last position (rounded up to the planner's granule), the memory limit and
+        headroom, and whether prefix snapshots take the device's memory (where the snapshot backend puts them)."""
         from .fit import floor_chunk
         from .snapshot import snapshots_share_device_memory
         settings = dict(slots=self.slots, device=device, chunk_floor=floor_chunk(self.chunk),
-                        memory_limit=self.device_memory_limit,
+                        memory_limit=self.device_memory_limit, headroom=self.headroom,
                         snapshots_on_device=snapshots_share_device_memory(device))
         return settings | ({"host_reserve": self.host_snapshot_reserve(device)} if self.split else {})
 
