@@ -9,10 +9,13 @@ Measured, for each slot count:
    (each position a plain step: what the engine runs where the backend's row-wise ops are not independent of the
    row count, the default on every backend today) and "together" (the positions' row-wise ops in one pass, the form
    that saves time; its logits are compared bit for bit with the plain steps', `together_exact`, which is what a
-   backend must show before it may verify that way: ops.rows_independent);
+   backend must show before it may verify that way: ops.rows_independent), and the plain step in that form too
+   (`plain_step_fixed_tiles_ms`: on a GPU every decode product in the row kernels' fixed tiles);
 2. plain decoding against an engine drafting 3 tokens a step whose drafts come from an oracle (the tokens plain
    decoding produced, labelled as such: random weights accept nothing of their own): generated tok/s of each, the
-   accepted drafts, and where the drafting engine's time went (the head's drafting, the verify step, the rest);
+   accepted drafts, and where the drafting engine's time went (the head's drafting, the verify step, the rest),
+   whether every answer was plain decoding's; "oracle" in the form the engine runs today, "oracle_together" with
+   every decode product in fixed row tiles and the verify step's positions together (both engines);
 3. tok/s at a mean acceptance length of 2.6 tokens per step (vLLM's figure for 3 drafts on the FP8 model), from
    the measured times: 2.6 tokens / (the oracle run's drafting time per step + its verify time per step).
 """
@@ -63,6 +66,13 @@ def verify_costs(model, slots: int, drafts: list[int], device: torch.device, rep
     out = {"plain_step_ms": 1e3 * _timed(lambda: model.decode_rows(plain_tokens, plain_positions, active, states,
                                                                      rope), device, repeats)}
     ops = model.ops
+    # The plain step as an engine that verifies together runs it too (every product in fixed row tiles).
+    type(ops).rows_independent = True
+    try:
+        out["plain_step_fixed_tiles_ms"] = 1e3 * _timed(
+            lambda: model.decode_rows(plain_tokens, plain_positions, active, states, rope), device, repeats)
+    finally:
+        type(ops).rows_independent = False
     for k in drafts:
         tokens, positions, on = rows(1 + k)
         entry = {}
@@ -92,8 +102,18 @@ def verify_costs(model, slots: int, drafts: list[int], device: torch.device, rep
     return out
 
 
-def oracle_run(model, slots: int, tokens: int, device: torch.device, context: int) -> dict:
-    """Plain decoding, then 3 drafts a step from an oracle (section 2)."""
+def oracle_run(model, slots: int, tokens: int, device: torch.device, context: int, together: bool) -> dict:
+    """Plain decoding, then 3 drafts a step from an oracle (section 2); `together`: both engines with every decode
+    product in fixed row tiles and the verify step's positions in one pass (ops.rows_independent)."""
+    ops = type(model.ops)
+    ops.rows_independent = together
+    try:
+        return _oracle_run(model, slots, tokens, device, context)
+    finally:
+        ops.rows_independent = False
+
+
+def _oracle_run(model, slots: int, tokens: int, device: torch.device, context: int) -> dict:
     prompts = [[(7 * i + j) % 900 + 1 for j in range(32 + 8 * i)] for i in range(slots)]
 
     timing = {"draft": 0.0, "verify": 0.0}
@@ -142,10 +162,10 @@ def oracle_run(model, slots: int, tokens: int, device: torch.device, context: in
         drafted, drafted_s, engine, steps = run(mtp=3, mtp_adaptive=False)
     finally:
         Drafter.draft, Drafter.verify = real_draft, real_verify
-    assert [r.output_ids for r in drafted] == [r.output_ids for r in plain], "drafting changed an answer"
+    same = [r.output_ids for r in drafted] == [r.output_ids for r in plain]
     generated = sum(len(r.output_ids) - 1 for r in plain)
     per_step = (timing["draft"] + timing["verify"]) / max(steps, 1)
-    return {"generated": generated, "plain_tok_s": round(generated / plain_s, 1),
+    return {"same_answers": same, "generated": generated, "plain_tok_s": round(generated / plain_s, 1),
             "oracle_tok_s": round(generated / drafted_s, 1), "oracle_speedup": round(plain_s / drafted_s, 3),
             "accepted": engine.drafter.counters.accepted, "drafted": engine.drafter.counters.drafted,
             "verify_steps": steps, "plain_steps": plain_steps,
@@ -186,7 +206,8 @@ def main() -> None:
     drafts = [int(k) for k in args.drafts.split(",")]
     for slots in (int(n) for n in args.slots.split(",")):
         result["slots"][slots] = {"verify": verify_costs(model, slots, drafts, device, args.repeats),
-                                  "oracle": oracle_run(model, slots, args.tokens, device, 1024)}
+                                  "oracle": oracle_run(model, slots, args.tokens, device, 1024, False),
+                                  "oracle_together": oracle_run(model, slots, args.tokens, device, 1024, True)}
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 

@@ -226,13 +226,19 @@ def test_a_model_parked_in_host_memory_comes_back_the_same(models, name, monkeyp
         assert_same_logits(got, want, f"{name}, {len(want.prompt_ids)}-token prompt, after an offload park")
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["one-by-one", "together"])
 @pytest.mark.parametrize("name", DTYPES)
 @pytest.mark.parametrize("slots", [1, 4])
-def test_mtp_on_equals_off_on_the_gpu(models, name, slots, monkeypatch):
+def test_mtp_on_equals_off_on_the_gpu(models, name, slots, together, monkeypatch):
     """Speculative decoding (3 drafts a step, an oracle's drafts partly wrong) beside plain decoding from the
-    CUDA graph: every logits row each request's tokens come from is the same, greedy and seeded."""
+    CUDA graph: every logits row each request's tokens come from is the same, greedy and seeded; with the verify
+    step's positions one plain step after another, and together (every decode product in fixed row tiles, both
+    engines)."""
     from test_speculative import _oracle
 
+    from qwen4exp.engine.model.triton_ops import TritonOps
+
+    monkeypatch.setattr(TritonOps, "rows_independent", together)
     record_logits(monkeypatch)
     model, specs, starts = models[name], _specs(), [0, 2, 5, 9]
     plain = run_staggered(Engine(model, slots=slots, context=CONTEXT, chunk=CHUNK), specs, starts)

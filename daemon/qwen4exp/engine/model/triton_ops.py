@@ -21,18 +21,21 @@ from ...kernels import block_products, gated_norm, hyper, moe, moe_blocks, qsa_a
 from ...kernels import rope, router
 from ...kernels import row_products
 from . import conv, delta_rule, qsa
-from .ops import TorchOps
+from .ops import TorchOps, decode_product
 from .quantized import QuantizedStack
 
 
 class TritonOps(TorchOps):
     name = "triton"
-    # cuBLAS takes a decode step's mid-sized projections (row_products.faster_than_cublas) and chooses its kernel
-    # by row count, so a verify step's positions run sub-step by sub-step until every decode product runs in
-    # row_products' fixed blocks, checked on a GPU (tests/test_gpu_engine.py, the verify step's test).
+    # Off: a decode step's mid-sized projections go to cuBLAS (row_products.faster_than_cublas), which chooses its
+    # kernel by row count, so a verify step's positions run sub-step by sub-step. On: every decode product runs in
+    # the row kernels' fixed 16-row tiles (`_fixed_tiles`), so a row sums alike in a plain step and in a verify
+    # step of more rows (bench/mtp_speed.py's together_exact, tests/test_gpu_engine.py's MTP test).
     rows_independent = False
 
     def linear(self, x, weight, step):
+        if step.decode and self.rows_independent:
+            return _fixed_tiles(x, weight)
         if isinstance(weight, QuantizedStack):
             return block_products.linear(x, weight)
         # A decode step's few rows stream each weight once in row_products' kernel where it beats cuBLAS.
@@ -180,3 +183,18 @@ def with_torch_forms(ops: frozenset[str]) -> TritonOps:
     for op in ops | ({"chunks_experts"} if "experts" in ops else set()):
         setattr(backend, op, types.MethodType(getattr(TorchOps, op), backend))
     return backend
+
+
+def _fixed_tiles(x: torch.Tensor, weight) -> torch.Tensor:
+    """x @ weight.T, 16 rows at a time, each in a kernel whose row tile is 16 whatever the rows it is given (a weight
+    the row kernel does not take: a GEMM of 16 rows, padded), so a row's sum does not depend on the row count."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = []
+    for block in rows.split(row_products.MAX_ROWS):
+        if isinstance(weight, QuantizedStack):
+            out.append(block_products.linear(block, weight))
+        elif row_products.fits(block, weight):
+            out.append(row_products.row_products(block, weight))
+        else:
+            out.append(decode_product(block, weight))
+    return torch.cat(out).reshape(*x.shape[:-1], -1)
