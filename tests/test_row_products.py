@@ -45,6 +45,16 @@ try:
     results["bad_shape"] = "accepted"
 except ValueError as err:
     results["bad_shape"] = str(err)
+# A verify step of 4 slots x 5 positions (20 rows, position-major) against its five plain steps of 4 rows, each
+# product in fixed 16-row tiles: the row kernel's, and a weight it does not take (rows not contiguous) as padded GEMMs.
+from qwen4exp.engine.model.triton_ops import _fixed_tiles
+x = torch.randn(20, 300, generator=gen).to(torch.bfloat16)
+w = (torch.randn(40, 300, generator=gen) * 0.1).to(torch.bfloat16)
+for label, weight in (("row kernel", w), ("padded GEMM", w.T.contiguous().T)):
+    together = _fixed_tiles(x, weight)
+    steps = torch.cat([_fixed_tiles(x[i:i + 4], weight) for i in range(0, 20, 4)])
+    results[f"fixed tiles, {label}"] = {"taken": row_products.fits(x[:16], weight),
+                                        "equal": bool(torch.equal(together, steps)), "shape": list(together.shape)}
 from qwen4exp.engine.model.backend import ops_for
 from qwen4exp.engine.model.ops import TORCH_OPS
 results["cpu_uses_f_linear"] = ops_for(torch.zeros(4, 8, dtype=torch.bfloat16)) is TORCH_OPS
@@ -67,6 +77,13 @@ def test_products_match_the_rounded_float32_product(results, label, dtype):
         # The interpreter's tl.dot is numpy's matmul, whose order of a row's sum can depend on the row's place in
         # the tile (seen: one float16 step); the GPU test below holds the compiled kernel to it in bfloat16.
         assert r["alone_equal"], "a row's product must not depend on the rows beside it"
+
+
+def test_a_verify_steps_rows_sum_as_its_plain_steps_in_fixed_tiles(results):
+    """With rows_independent, TritonOps runs a decode step's products 16 rows at a time in kernels whose row tile is
+    16 (triton_ops._fixed_tiles): 20 rows at once give each row the numbers it gets in a step of 4."""
+    assert results["fixed tiles, row kernel"] == {"taken": True, "equal": True, "shape": [20, 40]}
+    assert results["fixed tiles, padded GEMM"] == {"taken": False, "equal": True, "shape": [20, 40]}
 
 
 def test_bad_shapes_are_refused_and_cpu_tensors_go_to_f_linear(results):
