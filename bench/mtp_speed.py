@@ -47,6 +47,41 @@ def _timed(run, device: torch.device, repeats: int) -> float:
     return statistics.median(timed(run, device, repeats))
 
 
+def _graphed_ms(run, device: torch.device, repeats: int) -> float | str:
+    """Median milliseconds of run() replayed from a CUDA graph, as the engine replays its decode step (the host's
+    launches out of the time); the error's text where the capture fails; "eager only" off a GPU."""
+    if device.type != "cuda":
+        return "eager only"
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+    except Exception as err:  # noqa: BLE001 - a form that cannot be captured is a finding, not the bench's end
+        torch.cuda.synchronize(device)
+        return f"capture failed: {type(err).__name__}: {err}"[:300]
+    return 1e3 * _timed(graph.replay, device, repeats)
+
+
+class _Form:
+    """ops.rows_independent set for a block: off, a verify step's positions run one plain step after another;
+    on, together, and every decode product (a plain step's too) in fixed row tiles."""
+
+    def __init__(self, ops, together: bool):
+        self.ops, self.together = type(ops), together
+
+    def __enter__(self):
+        self.ops.rows_independent = self.together
+
+    def __exit__(self, *exc):
+        self.ops.rows_independent = False
+
+
 def verify_costs(model, slots: int, drafts: list[int], device: torch.device, repeats: int) -> dict:
     """Plain step and verify steps of 1 + k positions per slot, one by one and together (section 1)."""
     prompt = 64
@@ -63,41 +98,44 @@ def verify_costs(model, slots: int, drafts: list[int], device: torch.device, rep
         return tokens, positions, active.repeat(substeps)
 
     plain_tokens, plain_positions, _ = rows(1)
-    out = {"plain_step_ms": 1e3 * _timed(lambda: model.decode_rows(plain_tokens, plain_positions, active, states,
-                                                                     rope), device, repeats)}
     ops = model.ops
-    # The plain step as an engine that verifies together runs it too (every product in fixed row tiles).
-    type(ops).rows_independent = True
-    try:
-        out["plain_step_fixed_tiles_ms"] = 1e3 * _timed(
-            lambda: model.decode_rows(plain_tokens, plain_positions, active, states, rope), device, repeats)
-    finally:
-        type(ops).rows_independent = False
+    out = {}
+    for form, together in (("", False), ("_fixed_tiles", True)):
+        with _Form(ops, together):
+            def plain():
+                model.decode_rows(plain_tokens, plain_positions, active, states, rope)
+            out[f"plain_step{form}_ms"] = 1e3 * _timed(plain, device, repeats)
+            out[f"plain_step{form}_graph_ms"] = _graphed_ms(plain, device, repeats)
+    # One pass of the MTP head over every slot's row (a draft 2..k; draft 1 runs over the unseen positions).
+    streams = model.verify_rows(plain_tokens, plain_positions, active, states, rope, 1)[1].clone()
+    with _Form(ops, True):
+        def head():
+            model.draft_rows(streams, plain_tokens, plain_positions, active, states, rope)
+        out["head_step_graph_ms"] = _graphed_ms(head, device, repeats)
     for k in drafts:
         tokens, positions, on = rows(1 + k)
         entry = {}
         for form, together in (("one_by_one", False), ("together", True)):
-            type(ops).rows_independent = together
-            try:
-                entry[f"{form}_ms"] = 1e3 * _timed(lambda: model.verify_rows(tokens, positions, on, states, rope,
-                                                                             1 + k), device, repeats)
-            finally:
-                type(ops).rows_independent = False
-        # Exactness of the together form: the same rows from fresh states, against plain steps.
+            with _Form(ops, together):
+                def verify():
+                    model.verify_rows(tokens, positions, on, states, rope, 1 + k)
+                entry[f"{form}_ms"] = 1e3 * _timed(verify, device, repeats)
+                entry[f"{form}_graph_ms"] = _graphed_ms(verify, device, repeats)
+        # Exactness of the together form: the same rows from fresh states, against plain steps in the same form.
         check, reference = model.new_state_batch(slots, 1024, device), model.new_state_batch(slots, 1024, device)
         check.allocate_history(k)
         for a, b in zip(check.rows, reference.rows):
             model(torch.arange(1, prompt + 1, device=device), a)
             model(torch.arange(1, prompt + 1, device=device), b)
-        type(ops).rows_independent = True
-        try:
+        with _Form(ops, True):
             together, _ = model.verify_rows(tokens, positions, on, check, rope, 1 + k)
-        finally:
-            type(ops).rows_independent = False
-        plain = torch.cat([model.decode_rows(tokens[j * slots:(j + 1) * slots], positions[j * slots:(j + 1) * slots],
-                                             active, reference, rope) for j in range(1 + k)])
-        entry["together_exact"] = bool(torch.equal(together, plain))
-        entry["together_over_plain"] = round(entry["together_ms"] / out["plain_step_ms"], 3)
+            plain_rows = torch.cat([model.decode_rows(tokens[j * slots:(j + 1) * slots],
+                                                      positions[j * slots:(j + 1) * slots], active, reference, rope)
+                                    for j in range(1 + k)])
+        entry["together_exact"] = bool(torch.equal(together, plain_rows))
+        graphs = (entry["together_graph_ms"], out["plain_step_fixed_tiles_graph_ms"])
+        if all(isinstance(t, float) for t in graphs):
+            entry["together_over_plain_graph"] = round(graphs[0] / graphs[1], 3)
         out[f"k{k}"] = entry
     return out
 

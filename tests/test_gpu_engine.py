@@ -273,7 +273,7 @@ def _warm_and_cold(model, what: str) -> None:
     engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, prefix_cache=cache)
     run_staggered(engine, specs, [0, 0, 0, 0])
     warm = run_staggered(engine, specs[::-1], [0, 0, 0, 0])[::-1]
-    assert all(r.cached_tokens for r in warm)
+    assert all(r.cached_tokens for r in warm if len(r.prompt_ids) > CHUNK)   # a shorter one has no snapshot
     for got, want in zip(warm, alone):
         assert_same_logits(got, want, f"{what}, warm against cold")
 
