@@ -635,11 +635,9 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
     if args.random_weights:
         from qwen4exp.checkpoint.presets import preset_config
         from qwen4exp.checkpoint.random_weights import random_model
-        model = random_model(args.preset, args.layers, dtype, device, seed=args.seed, quant=args.quant)
-        if args.ple == "host":
-            from qwen4exp.engine.loading import quantized_ple_tables
-            for ple_table in quantized_ple_tables(model):
-                ple_table.keep_on_host()
+        # The table is made in host memory: the full model in FP8 does not fit the H200 with it.
+        model = random_model(args.preset, args.layers, dtype, device, seed=args.seed, quant=args.quant,
+                             ple_on_host=args.ple == "host")
         text_config = preset_config(args.preset, args.layers, dtype=args.dtype)["text_config"]
     else:
         model = load_model(args.checkpoint, dtype=dtype, device=device, progress=False)
