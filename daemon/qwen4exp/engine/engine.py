@@ -115,7 +115,8 @@ class Engine:
         # Speculative decoding with the MTP head (speculative.py): mtp drafts at most per slot and step; "auto": as
         # many as pay where the backend verifies positions together, none where it runs them one by one.
         drafts = resolve_mtp(mtp, model)
-        self.drafter = Drafter(model, self.pool, self.decoder.rope, drafts, mtp_adaptive) if drafts else None
+        self.drafter = Drafter(model, self.pool, self.decoder.rope, drafts, mtp_adaptive,
+                               graphs=cuda_graphs) if drafts else None
         # Decode steps between a short prompt chunk's layers (`_decode_beside`): for a GPU, where such a chunk keeps
         # the host busy and the device mostly idle; on a CPU they would only take turns with the chunk's work.
         # An eager step on a GPU allocates its temporaries; beside a chunk's it could run the device out of memory.

@@ -24,6 +24,7 @@ import torch
 
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .slots import Slot, SlotPool
+from .speculative_runner import SpeculativeRunner
 
 
 @dataclass
@@ -76,7 +77,7 @@ class DraftCounters:
 
 class Drafter:
     def __init__(self, model: Qwen4ExpForCausalLM, pool: SlotPool, rope: tuple[torch.Tensor, torch.Tensor],
-                 most: int, adaptive: bool = True):
+                 most: int, adaptive: bool = True, graphs: bool = False):
         if model.mtp is None:
             raise ValueError("mtp: this checkpoint has no MTP head (mtp_num_hidden_layers = 0; a GGUF converted by "
                              "llama.cpp drops it): set mtp = 0")
@@ -85,6 +86,7 @@ class Drafter:
         self.device = model.lm_head.weight.device
         self.counters = DraftCounters(accepted_at=[0] * most)
         pool.states.allocate_history(most)
+        self.runner = SpeculativeRunner(model, pool.states, rope, self.device, most, graphs)
         self._slots = [_SlotDrafting(self.length.initial) for _ in pool.slots]
 
     @property
@@ -132,57 +134,36 @@ class Drafter:
         drafts: dict[int, list[int]] = {s.index: [] for s in decoding}
         if not seeing:
             return drafts
-        # The head over every slot's unseen positions (rows position-major, as a verify step's).
-        rows = max(self._slots[s.index].streams.shape[0] for s in seeing)
-        width = self._slots[seeing[0].index].streams.shape[1]
-        streams = torch.zeros(rows, count, width, dtype=self._slots[seeing[0].index].streams.dtype,
-                              device=self.device)
+        # The head over every slot's unseen positions (rows position-major, as a verify step's), padded to the
+        # runner's fixed most + 1 rows a slot; then drafts 2..k, the head on its own streams a position further.
+        rows = self.runner.head_rows
         tokens = [[0] * count for _ in range(rows)]
         positions = [[s.state.length for s in self.pool.slots] for _ in range(rows)]
         active = [[False] * count for _ in range(rows)]
-        last_row = {}
+        last, streams = [0] * count, {}
         for slot in seeing:
             drafting, i = self._slots[slot.index], slot.index
             seen = drafting.streams.shape[0]
-            last_row[i] = (seen - 1) * count + i
-            streams[:seen, i] = drafting.streams
+            last[i], streams[i] = (seen - 1) * count + i, drafting.streams
             for j, token in enumerate(drafting.tokens + [slot.next_token]):
                 tokens[j][i], positions[j][i], active[j][i] = token, slot.state.length - seen + j, True
             drafting.streams, drafting.tokens = None, []
-        any_drafts = any(wanted.values())
-        logits, head_streams = self.model.draft_rows(
-            streams.flatten(0, 1), *self._device_rows(tokens, positions, active), self.pool.states, self.rope,
-            substeps=rows, logits=any_drafts)
-        if not any_drafts:
+        most = max(wanted.values())
+        going = [[wanted.get(s.index, 0) >= depth for s in self.pool.slots] for depth in range(2, most + 1)]
+        made = self.runner.draft(most, streams, tokens, positions, active, last,
+                                 [s.state.length for s in self.pool.slots], going)
+        if made is None:
             return drafts
-        carry = torch.zeros(count, width, dtype=streams.dtype, device=self.device)
-        best = logits.argmax(-1).tolist()
-        for index, row in last_row.items():
-            if wanted[index]:
-                drafts[index].append(best[row])
-                carry[index] = head_streams[row]
-        # Drafts 2..k: the head on its own streams, one position further each time.
-        for depth in range(2, max(wanted.values()) + 1):
-            going = [s for s in seeing if wanted[s.index] >= depth]
-            tokens = [drafts[s.index][-1] if s in going else 0 for s in self.pool.slots]
-            positions = [s.state.length + depth - 2 for s in self.pool.slots]
-            on = [s in going for s in self.pool.slots]
-            logits, carry = self.model.draft_rows(carry, *self._device_rows([tokens], [positions], [on]),
-                                                  self.pool.states, self.rope)
-            best = logits.argmax(-1).tolist()
-            for slot in going:
-                drafts[slot.index].append(best[slot.index])
+        made = made.tolist()                 # the one wait of a step's drafting
+        for slot in seeing:
+            drafts[slot.index] = [made[depth][slot.index] for depth in range(wanted[slot.index])]
         return drafts
-
-    def _device_rows(self, tokens, positions, active) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (torch.tensor(tokens, dtype=torch.long, device=self.device).flatten(),
-                torch.tensor(positions, dtype=torch.long, device=self.device).flatten(),
-                torch.tensor(active, dtype=torch.bool, device=self.device).flatten())
 
     def verify(self, decoding: list[Slot], drafts: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """The verify step over each decoding slot's next token and drafts -> (logits [S, N, V], streams
-        [S, N, hc*H]), S = 1 + the most drafts. Rows past a slot's drafts are idle; their position-indexed writes
-        land just past its last draft (which `_room` keeps inside the context); other slots' at their length."""
+        [S, N, hc*H]), S = 1 + the most drafts, valid until the next verify step. Rows past a slot's drafts are
+        idle; their position-indexed writes land just past its last draft (which `_room` keeps inside the
+        context); other slots' at their length."""
         count = len(self.pool.slots)
         substeps = 1 + max((len(d) for d in drafts.values()), default=0)
         tokens = [[0] * count for _ in range(substeps)]
@@ -198,8 +179,7 @@ class Drafter:
                     positions[j][i] = length + len(fed)
         for slot in decoding:
             slot.state.check_room(1 + len(drafts[slot.index]))
-        logits, streams = self.model.verify_rows(*self._device_rows(tokens, positions, active), self.pool.states,
-                                                 self.rope, substeps)
+        logits, streams = self.runner.verify(tokens, positions, active)
         self.counters.verify_steps += 1
         return logits.view(substeps, count, -1), streams.view(substeps, count, -1)
 

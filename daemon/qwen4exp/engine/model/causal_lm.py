@@ -275,18 +275,23 @@ class Qwen4ExpForCausalLM(nn.Module):
     @_on_target
     def draft_rows(self, streams: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
                    active: torch.Tensor, states: StateBatch, rope: tuple[torch.Tensor, torch.Tensor],
-                   substeps: int = 1, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+                   substeps: int = 1, logits: bool = True, pick: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The MTP head over rows as a decode (or, with substeps, verify) step: row i fuses the main streams at
         positions[i] with token_ids[i], the token after that position; its attention cache is states.extra.
         Returns (the logits of the token after token_ids[i] [R, V], or None without `logits`; the head's own
-        streams [R, hc*H], which the next draft position reads in place of the main model's)."""
+        streams [R, hc*H], which the next draft position reads in place of the main model's). `pick` (row
+        indices): both for those rows alone, the LM head run for them only."""
         if substeps > 1 and not self.rows_independent:
-            return _one_by_one(lambda *rows: self.draft_rows(*rows, states, rope, 1, logits), substeps,
-                               [streams, token_ids, positions, active])
+            rows, out = _one_by_one(lambda *part: self.draft_rows(*part, states, rope, 1, logits), substeps,
+                                    [streams, token_ids, positions, active])
+            return (rows, out) if pick is None else (None if rows is None else rows[pick], out[pick])
         view = HeadState(states.extra, states.capacity)
         step = Step.rows(self.ops, token_ids, positions.clamp(0, states.capacity - 1), active, view, rope, substeps)
         hidden, out = self.mtp(self.mtp.fuse(streams, self.ops.table_rows(self.model.embed_tokens, token_ids), step),
                                step)
+        if pick is not None:
+            hidden, out = hidden[pick], out[pick]
         return (self.ops.linear(hidden, self.lm_head.weight, step) if logits else None), out
 
     def run(self, step: Step, between_layers: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,147 @@
+"""A speculative step's two halves at fixed shapes, replayed from CUDA graphs on a GPU (speculative.py decides what
+goes in and what is kept).
+
+Drafting: the MTP head over every slot's unseen positions (`most + 1` rows a slot, position-major; the rows a slot
+has not got are idle), then its chained passes, each draft taken on the device (argmax) and fed to the next pass, so
+the host waits once for a step's drafts instead of once a draft. Verifying: the main model over 1 + k positions a
+slot (model/verify.py). One graph per draft count (0..most) and one per verify length (1..most + 1), captured when
+the engine is made, while every slot is empty: idle rows keep their state, and their position-indexed writes land
+where nothing is read (as DecodeRunner's). Off a GPU, or for a model whose layers span devices, the same functions
+run eagerly. Eager, a step launches hundreds of kernels a pass, which is what bounds it on a GPU
+(docs/PERFORMANCE.md, the MTP section).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .model.causal_lm import Qwen4ExpForCausalLM
+from .snapshot import quiesce_snapshot_copies
+from .state import StateBatch
+
+log = logging.getLogger("qwen4exp.engine")
+
+
+class SpeculativeRunner:
+    def __init__(self, model: Qwen4ExpForCausalLM, states: StateBatch, rope: tuple[torch.Tensor, torch.Tensor],
+                 device: torch.device, most: int, graph: bool):
+        self.model, self.states, self.rope, self.device, self.most = model, states, rope, device, most
+        self.count = count = len(states.rows)
+        self.head_rows = most + 1
+        width = model.config.hc_count * model.config.hidden_size
+        rows, verify_rows = self.head_rows * count, (most + 1) * count
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        # Inputs: written before each replay (the graphs read them in place).
+        self._streams = zeros(rows, width, dtype=model.lm_head.weight.dtype)
+        self._head = {"tokens": zeros(rows), "positions": zeros(rows), "active": zeros(rows, dtype=torch.bool),
+                      "last": zeros(count), "lengths": zeros(count), "going": zeros(max(most - 1, 1), count,
+                                                                                       dtype=torch.bool)}
+        self._verify = {"tokens": zeros(verify_rows), "positions": zeros(verify_rows),
+                        "active": zeros(verify_rows, dtype=torch.bool)}
+        self._drafts: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
+        self._verifies: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.capture_seconds = 0.0
+        if graph and device.type == "cuda" and not model.spans_devices:
+            with torch.cuda.device(device):
+                self._capture()
+
+    # ---- what runs -------------------------------------------------------------------------------------------
+    def _draft_pass(self, k: int) -> torch.Tensor | None:
+        """The head over the unseen rows, then k - 1 chained passes -> drafts [k, N] (None for k = 0: the pass
+        only writes the head's cache)."""
+        head, model = self._head, self.model
+        with torch.inference_mode():
+            logits, carry = model.draft_rows(self._streams, head["tokens"], head["positions"], head["active"],
+                                             self.states, self.rope, substeps=self.head_rows, logits=k > 0,
+                                             pick=head["last"])
+            if k == 0:
+                return None
+            token = logits.argmax(-1)
+            drafts = [token]
+            for depth in range(2, k + 1):
+                logits, carry = model.draft_rows(carry, token, head["lengths"] + (depth - 2), head["going"][depth - 2],
+                                                 self.states, self.rope)
+                token = logits.argmax(-1)
+                drafts.append(token)
+            return torch.stack(drafts)
+
+    def _verify_pass(self, substeps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = substeps * self.count
+        v = self._verify
+        with torch.inference_mode():
+            return self.model.verify_rows(v["tokens"][:n], v["positions"][:n], v["active"][:n], self.states,
+                                          self.rope, substeps)
+
+    # ---- graphs ----------------------------------------------------------------------------------------------
+    def _capture(self) -> None:
+        started = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()       # the graphs replay one at a time: their temporaries can share
+        for k in range(self.most + 1):
+            self._drafts[k] = self._captured(lambda k=k: self._draft_pass(k), pool)
+        for substeps in range(1, self.most + 2):
+            self._verifies[substeps] = self._captured(lambda s=substeps: self._verify_pass(s), pool)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - started
+        log.info("speculative steps captured as CUDA graphs (drafts 0..%d, verify 1..%d positions) in %.2f s",
+                 self.most, self.most + 1, self.capture_seconds)
+
+    def _captured(self, run, pool):
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):              # compile and tune every kernel outside the capture
+                run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        quiesce_snapshot_copies()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = run()
+        return graph, out
+
+    # ---- the engine's calls ----------------------------------------------------------------------------------
+    def draft(self, k: int, streams: dict[int, torch.Tensor], tokens: list[list[int]], positions: list[list[int]],
+              active: list[list[bool]], last: list[int], lengths: list[int], going: list[list[bool]]
+              ) -> torch.Tensor | None:
+        """Drafts [k, N] on the device (None for k = 0). `streams`: slot index -> its unseen positions' main
+        streams [m, hc*H]; tokens/positions/active [most + 1][N] (row j of slot i: its j-th unseen position);
+        `last`: each slot's row giving draft 1 (index into the flattened rows); `lengths` [N]; `going` [k - 1][N]:
+        the slots that draft at depth 2..k. Valid until the next draft."""
+        view = self._streams.view(self.head_rows, self.count, -1)
+        view.zero_()
+        for index, seen in streams.items():
+            view[:seen.shape[0], index].copy_(seen)
+        for name, values in (("tokens", tokens), ("positions", positions), ("active", active), ("last", last),
+                             ("lengths", lengths)):
+            _fill(self._head[name], values)
+        if going:
+            _fill(self._head["going"][:len(going)], going)
+        if k in self._drafts:
+            graph, out = self._drafts[k]
+            graph.replay()
+            return out
+        return self._draft_pass(k)
+
+    def verify(self, tokens: list[list[int]], positions: list[list[int]], active: list[list[bool]]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify step over len(tokens) positions a slot ([S][N], position-major) -> (logits [S*N, V], streams
+        [S*N, hc*H]), valid until the next verify step of that length."""
+        substeps = len(tokens)
+        n = substeps * self.count
+        for name, values in (("tokens", tokens), ("positions", positions), ("active", active)):
+            _fill(self._verify[name][:n], values)
+        if substeps in self._verifies:
+            graph, out = self._verifies[substeps]
+            graph.replay()
+            return out
+        return self._verify_pass(substeps)
+
+
+def _fill(target: torch.Tensor, values: list) -> None:
+    """A static input's values from the host (nested lists flattened in order)."""
+    target.copy_(torch.tensor(values, dtype=target.dtype).view(target.shape))
