@@ -4,13 +4,15 @@
         --out results.json [--slots 1,4] [--drafts 1,2,3,4] [--tokens 64]
 
 Measured, for each slot count:
-1. the verify step against a plain decode step: eager, every slot busy at a short prompt's length, median of
-   --repeats runs, for 1 + k positions per slot (k = each of --drafts), in both of the model's forms: "one by one"
+1. the verify step against a plain decode step: every slot busy at a short prompt's length, median of --repeats
+   runs, eager (`_ms`) and replayed from a CUDA graph (`_graph_ms`, as the engine runs its steps on a GPU), for
+   1 + k positions per slot (k = each of --drafts), in both of the model's forms: "one by one"
    (each position a plain step: what the engine runs where the backend's row-wise ops are not independent of the
    row count, the default on every backend today) and "together" (the positions' row-wise ops in one pass, the form
    that saves time; its logits are compared bit for bit with the plain steps', `together_exact`, which is what a
    backend must show before it may verify that way: ops.rows_independent), and the plain step in that form too
-   (`plain_step_fixed_tiles_ms`: on a GPU every decode product in the row kernels' fixed tiles);
+   (`plain_step_fixed_tiles_ms`: on a GPU every decode product in the row kernels' fixed tiles), and one pass of
+   the MTP head (`head_step_graph_ms`);
 2. plain decoding against an engine drafting 3 tokens a step whose drafts come from an oracle (the tokens plain
    decoding produced, labelled as such: random weights accept nothing of their own): generated tok/s of each, the
    accepted drafts, and where the drafting engine's time went (the head's drafting, the verify step, the rest),

@@ -6,7 +6,8 @@ has not got are idle), then its chained passes, each draft taken on the device (
 the host waits once for a step's drafts instead of once a draft. Verifying: the main model over 1 + k positions a
 slot (model/verify.py). One graph per draft count (0..most) and one per verify length (1..most + 1), captured when
 the engine is made, while every slot is empty: idle rows keep their state, and their position-indexed writes land
-where nothing is read (as DecodeRunner's). Off a GPU, or for a model whose layers span devices, the same functions
+where nothing is read (as DecodeRunner's). A graph keeps the ops backend's form of the verify step at its capture
+(ops.rows_independent then). Off a GPU, or for a model whose layers span devices, the same functions
 run eagerly. Eager, a step launches hundreds of kernels a pass, which is what bounds it on a GPU
 (docs/PERFORMANCE.md, the MTP section).
 """
@@ -40,8 +41,8 @@ class SpeculativeRunner:
         # Inputs: written before each replay (the graphs read them in place).
         self._streams = zeros(rows, width, dtype=model.lm_head.weight.dtype)
         self._head = {"tokens": zeros(rows), "positions": zeros(rows), "active": zeros(rows, dtype=torch.bool),
-                      "last": zeros(count), "lengths": zeros(count), "going": zeros(max(most - 1, 1), count,
-                                                                                       dtype=torch.bool)}
+                      "last": zeros(count), "lengths": zeros(count),
+                      "going": zeros(max(most - 1, 1), count, dtype=torch.bool)}
         self._verify = {"tokens": zeros(verify_rows), "positions": zeros(verify_rows),
                         "active": zeros(verify_rows, dtype=torch.bool)}
         self._drafts: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
