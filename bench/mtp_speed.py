@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from qwen4exp.checkpoint.random_weights import random_model
+from qwen4exp.engine.decode_runner import capture_graph
 from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.request import Request
@@ -55,15 +56,7 @@ def _graphed_ms(run, device: torch.device, repeats: int) -> float | str:
     if device.type != "cuda":
         return "eager only"
     try:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+        graph, _ = capture_graph(run, device)
     except Exception as err:  # noqa: BLE001 - a form that cannot be captured is a finding, not the bench's end
         torch.cuda.synchronize(device)
         return f"capture failed: {type(err).__name__}: {err}"[:300]

@@ -21,6 +21,23 @@ from .snapshot import quiesce_snapshot_copies
 log = logging.getLogger("qwen4exp.engine")
 
 
+def capture_graph(run, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(a CUDA graph of run(), what the captured run returned): run twice on a side stream first, so that every
+    kernel is compiled and tuned outside the capture, and no snapshot copier allocating pinned memory during it.
+    `pool`: a memory pool shared with other graphs that never replay at the same time."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    quiesce_snapshot_copies()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
 class LaunchedStep:
     """A decode step queued on the device: its logits [rows, V] (the runner's output, valid until the next step),
     every row's argmax (on the device, or on its way to pinned host memory) and host copies of the rows asked for;
@@ -87,16 +104,7 @@ class DecodeRunner:
 
     def _capture_here(self) -> None:
         started = time.perf_counter()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):              # compile and tune every kernel outside the capture
-                self._run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        quiesce_snapshot_copies()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._logits = self._run()
+        self.graph, self._logits = capture_graph(self._run, self.device)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - started
         log.info("decode step captured as a CUDA graph for %d rows in %.2f s", len(self.states.rows),

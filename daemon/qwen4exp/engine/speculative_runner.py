@@ -19,8 +19,8 @@ import time
 
 import torch
 
+from .decode_runner import capture_graph
 from .model.causal_lm import Qwen4ExpForCausalLM
-from .snapshot import quiesce_snapshot_copies
 from .state import StateBatch
 
 log = logging.getLogger("qwen4exp.engine")
@@ -84,26 +84,13 @@ class SpeculativeRunner:
         started = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()       # the graphs replay one at a time: their temporaries can share
         for k in range(self.most + 1):
-            self._drafts[k] = self._captured(lambda k=k: self._draft_pass(k), pool)
+            self._drafts[k] = capture_graph(lambda k=k: self._draft_pass(k), self.device, pool)
         for substeps in range(1, self.most + 2):
-            self._verifies[substeps] = self._captured(lambda s=substeps: self._verify_pass(s), pool)
+            self._verifies[substeps] = capture_graph(lambda s=substeps: self._verify_pass(s), self.device, pool)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - started
         log.info("speculative steps captured as CUDA graphs (drafts 0..%d, verify 1..%d positions) in %.2f s",
                  self.most, self.most + 1, self.capture_seconds)
-
-    def _captured(self, run, pool):
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):              # compile and tune every kernel outside the capture
-                run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        quiesce_snapshot_copies()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = run()
-        return graph, out
 
     # ---- the engine's calls ----------------------------------------------------------------------------------
     def draft(self, k: int, streams: dict[int, torch.Tensor], tokens: list[list[int]], positions: list[list[int]],
