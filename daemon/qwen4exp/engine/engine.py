@@ -111,10 +111,12 @@ class Engine:
         # A split model's other devices (placement.py): their cached blocks go back with the target's.
         self._split_devices = [] if model.placement is None else model.placement.devices[1:]
         self.pool = SlotPool.allocate(model, slots, context)
-        self.decoder = DecodeRunner(model, self.pool.states, self.device, graph=cuda_graphs, compile=compile_decode)
         # Speculative decoding with the MTP head (speculative.py): mtp drafts at most per slot and step; "auto": as
-        # many as pay where the backend verifies positions together, none where it runs them one by one.
+        # many as pay where the backend verifies positions together, none where it runs them one by one. With
+        # drafting every decode step is a speculative one (its own graphs), so the plain step is not captured.
         drafts = resolve_mtp(mtp, model)
+        self.decoder = DecodeRunner(model, self.pool.states, self.device, graph=cuda_graphs and not drafts,
+                                    compile=compile_decode)
         self.drafter = Drafter(model, self.pool, self.decoder.rope, drafts, mtp_adaptive,
                                graphs=cuda_graphs) if drafts else None
         # Decode steps between a short prompt chunk's layers (`_decode_beside`): for a GPU, where such a chunk keeps

@@ -599,10 +599,11 @@ def measured_size(role: str, name, limit: int | None, host_reserve: int = 0) -> 
 
     device = as_device(name)
     free = usable_capacity(device, 0)[0]
-    if snapshots_share_device_memory(device):          # the CPU, or a GPU whose memory is the system's
+    shares_host = snapshots_share_device_memory(device)     # the CPU, or a GPU whose memory is the system's
+    if shares_host:
         free = max(free - host_reserve, 1)
     return DeviceSize(role, str(name), device.type, free, limit, measured=True,
-                      integrated=device.type == "cuda" and snapshots_share_device_memory(device))
+                      integrated=device.type == "cuda" and shares_host)
 
 
 def profile_devices(settings) -> tuple[DeviceSize, tuple[DeviceSize, ...]]:

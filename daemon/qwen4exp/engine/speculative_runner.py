@@ -33,7 +33,7 @@ class SpeculativeRunner:
         self.count = count = len(states.rows)
         self.head_rows = most + 1
         width = model.config.hc_count * model.config.hidden_size
-        rows, verify_rows = self.head_rows * count, (most + 1) * count
+        rows = self.head_rows * count          # the head's first pass and the longest verify step alike
 
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -43,8 +43,7 @@ class SpeculativeRunner:
         self._head = {"tokens": zeros(rows), "positions": zeros(rows), "active": zeros(rows, dtype=torch.bool),
                       "last": zeros(count), "lengths": zeros(count),
                       "going": zeros(max(most - 1, 1), count, dtype=torch.bool)}
-        self._verify = {"tokens": zeros(verify_rows), "positions": zeros(verify_rows),
-                        "active": zeros(verify_rows, dtype=torch.bool)}
+        self._verify = {"tokens": zeros(rows), "positions": zeros(rows), "active": zeros(rows, dtype=torch.bool)}
         self._drafts: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self._verifies: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.capture_seconds = 0.0
