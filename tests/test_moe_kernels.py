@@ -232,8 +232,9 @@ def check_block_stacks_give_their_dense_twins_results():
         inter = 256 if down_type in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else QI
         gate_up, down = _stack(gate_up_type, (E, 2 * inter, QH), 1), _stack(down_type, (E, QH, inter), 2)
         twin_gate_up, twin_down = gate_up.dequantize(), down.dequantize()
-        # 70 tokens: 17.5 pairs an expert, the tiles dequantized in the GEMMs over several row blocks; 260 tokens: 65,
-        # past moe_blocks.DENSE_FROM (the stacks dequantized whole): the first pair of types only
+        # 5 tokens: small row blocks; 70 tokens: 17.5 pairs an expert, the tiles dequantized in the GEMMs over
+        # several full row blocks; 260 tokens: 65, past moe_blocks.DENSE_FROM (the stacks dequantized whole): the
+        # first pair of types only
         for rows in (5, 70, 260) if gate_up_type == BLOCK_PAIRS[0][0] else (5,):
             x = torch.randn(rows, QH, generator=gen).bfloat16()
             ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(rows)])
@@ -246,6 +247,34 @@ def check_block_stacks_give_their_dense_twins_results():
                 exact = _reference(x, ids, weights, dequantize(gate_up.blocks, gate_up_type),
                                    dequantize(down.blocks, down_type))
                 assert _rel_err(moe_rows(x, ids, weights, gate_up, down), exact) < REL_TOL, (gate_up_type, down_type)
+
+
+def check_a_chunks_form_follows_its_own_pairs():
+    """A chunk over quantized stacks runs small row blocks below moe.SMALL_BELOW pairs an expert, full ones from
+    there, its stacks dequantized whole from DENSE_FROM; dense stacks always run full row blocks. Chunks sharing a
+    launch in the form each takes alone (TritonOps.chunks_experts) come out as they do alone, whatever their sum's
+    form would be."""
+    import torch
+
+    from qwen4exp.kernels import moe
+
+    gen = torch.Generator().manual_seed(10)
+    gate_up, down = _stack("Q4_K", (E, 2 * QI, QH), 5), _stack("Q8_0", (E, QH, QI), 6)
+    small = moe.GroupedForm(moe.SMALL_BLOCK_M, False, False)
+    assert moe.grouped_form(gate_up, down, moe.SMALL_BELOW * E - 1) == small
+    assert moe.grouped_form(gate_up, down, moe.SMALL_BELOW * E) == (moe.GROUPED_BLOCK_M, False, False)
+    assert moe.grouped_form(gate_up, down, 64 * E) == (moe.GROUPED_BLOCK_M, True, True)
+    assert moe.grouped_form(gate_up, down.dequantize(), 8).block_m == moe.SMALL_BLOCK_M
+    assert moe.grouped_form(gate_up.dequantize(), down.dequantize(), 8).block_m == moe.GROUPED_BLOCK_M
+    # chunks of 20, 50 and 70 rows: 5, 12.5 and 17.5 pairs an expert alone; the first two together 17.5
+    x = torch.randn(140, QH, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(140)])
+    weights = torch.rand(140, K, generator=gen).softmax(-1).bfloat16()
+    together = moe.moe_grouped(x[:70], ids[:70], weights[:70], gate_up, down, form=small)
+    assert torch.equal(together[:20], moe.moe_grouped(x[:20], ids[:20], weights[:20], gate_up, down))
+    assert torch.equal(together[20:], moe.moe_grouped(x[20:70], ids[20:70], weights[20:70], gate_up, down))
+    full = moe.moe_grouped(x, ids, weights, gate_up, down)
+    assert torch.equal(full[70:], moe.moe_grouped(x[70:], ids[70:], weights[70:], gate_up, down))
 
 
 def check_block_stacks_keep_rows_independent():
@@ -317,7 +346,7 @@ def test_block_kernels_on_the_gpu():
 
     from qwen4exp.checkpoint.gguf_blocks import random_blocks
     from qwen4exp.engine.model.quant_blocks import dequantize
-    from qwen4exp.kernels.moe import moe_grouped, moe_rows
+    from qwen4exp.kernels.moe import grouped_form, moe_grouped, moe_rows
     from qwen4exp.kernels.quant_tiles import QTYPES, dequantize_rows
 
     if not torch.cuda.is_available():
@@ -338,5 +367,7 @@ def test_block_kernels_on_the_gpu():
             got = kernel(x, ids, weights, gate_up, down)
             twin = kernel(x, ids, weights, gate_up.dequantize(), down.dequantize())
             assert _rel_err(got.cpu(), twin.cpu().double()) < tolerance, (kernel.__name__, gate_up_type, down_type)
-            alone = kernel(x[1:2], ids[1:2], weights[1:2], gate_up, down)
+            # in the form of the rows it came with (40 rows: small row blocks; 70: full ones)
+            form = {} if kernel is moe_rows else {"form": grouped_form(gate_up, down, rows * K)}
+            alone = kernel(x[1:2], ids[1:2], weights[1:2], gate_up, down, **form)
             assert torch.equal(alone[0], got[1]), (kernel.__name__, gate_up_type)

@@ -45,3 +45,36 @@ def test_a_torch_form_of_the_experts_also_keeps_batched_chunks_apart():
     backend = with_torch_forms(frozenset({"experts"}))
     assert backend.chunks_experts.__func__ is TorchOps.chunks_experts
     assert with_torch_forms(frozenset({"rotate"})).chunks_experts.__func__ is TritonOps.chunks_experts
+
+
+def test_prompt_chunks_share_the_experts_launch_in_the_form_each_takes_alone(monkeypatch):
+    """Quantized experts: short chunks whose sum would run full row blocks (or dequantize the stacks whole) still
+    share one launch, in the small row blocks each runs alone; chunks of different forms run one by one."""
+    from types import SimpleNamespace
+
+    from qwen4exp.engine.model.quantized import QuantizedStack
+    from qwen4exp.kernels import moe
+
+    experts, top_k, hidden = 8, 2, 32
+    stacks = SimpleNamespace(gate_up_proj=QuantizedStack("Q8_0", (experts, 64, hidden), torch.bfloat16),
+                             down_proj=QuantizedStack("Q8_0", (experts, hidden, 32), torch.bfloat16))
+    launches = []
+
+    def grouped(x, ids, weights, gate_up, down, form=None):
+        launches.append((x.shape[0], form or moe.grouped_form(gate_up, down, ids.numel())))
+        return torch.zeros_like(x)
+
+    def route(x, step):
+        rows = x.shape[0]
+        return x, torch.zeros(rows, top_k, dtype=torch.long), torch.ones(rows, top_k), (x, torch.zeros(rows, 1))
+
+    monkeypatch.setattr(moe, "moe_grouped", grouped)
+    block = SimpleNamespace(route=route, experts=stacks)
+    step = SimpleNamespace(decode=False)
+    small = moe.GroupedForm(moe.SMALL_BLOCK_M, False, False)
+    short = [torch.zeros(60, hidden)] * 6        # 15 pairs an expert each; 90 together (past DENSE_FROM's 64)
+    assert [out.shape[0] for out in TRITON_OPS.chunks_experts(block, short, [step] * 6)] == [60] * 6
+    assert launches == [(360, small)]
+    launches.clear()
+    TRITON_OPS.chunks_experts(block, [torch.zeros(60, hidden), torch.zeros(64, hidden)], [step] * 2)
+    assert launches == [(60, small), (64, moe.GroupedForm(moe.GROUPED_BLOCK_M, False, False))]

@@ -54,7 +54,7 @@ CUDA_CONTEXT_BYTES = H200_TOTAL_BYTES - 149324693504
 #   position: a free factor on it fitted to 1.01.
 GPU_ROW_COPIES, GPU_BASE_BYTES = 9.90, 4_893_000
 CPU_ROW_COPIES, CPU_BASE_BYTES = 2.19, 3_505_000
-# A quantized model's chunk dequantizes each layer's expert stacks whole (kernels/moe_blocks.dense_for_chunk) and
+# A quantized model's chunk dequantizes each layer's expert stacks whole (kernels/moe_blocks.dequantized_for) and
 # the fit reads the allocator's reserved peak, which these blocks of 3.4 and 1.7 GB (full model) fragment. The one
 # measured quantized fit (the full model at UD-Q4_K_XL, PLE table on the device, 4096-row floor chunk: 131072 a slot
 # on the H200, 2026-12-04) puts its workspace at that context between 6.87 and 7.30 GiB. Factors on the stacks'

@@ -3,9 +3,10 @@
 Triton builds a binary for each kind of a kernel's int arguments (1, a multiple of 16, any other) and each set of
 its constexprs. The counts that follow a prompt's length (a chunk's rows, its expert pairs, the ids it looks up)
 are not specialized on (the kernels' do_not_specialize), so what tells a prompt chunk's binaries apart is its
-kind: one token, a few (the block products' few-row kernel past 16 rows goes to the dequantized GEMM; the
-experts' stacks are dequantized whole from 64 pairs an expert, moe_blocks.DENSE_FROM), a whole chunk, from the
-prompt's start or past QSA's dense reach (where the indexer ranks blocks). Chunks start on the chunk grid
+kind: one token, a few (the block products' few-row kernel past 16 rows goes to the dequantized GEMM; quantized
+experts run small row blocks below 16 pairs an expert, full ones from there, and their stacks are dequantized whole
+from 64 pairs an expert: kernels/moe.py's GroupedForm), a whole chunk, from the prompt's start or past QSA's dense
+reach (where the indexer ranks blocks). Chunks start on the chunk grid
 (restores too: spacings divide the chunk), so their positions are multiples of 16 alike.
 
 `warm_up` runs one chunk of each kind on a free slot's state and empties it again. A prompt of any length then
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import moe
 from .memory import release_cached_blocks
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .state import SequenceState
@@ -25,10 +27,15 @@ from .state import SequenceState
 PROMPT_ROWS = (1, 37)   # one token; a few (more than the block products' 16 rows, the experts' tiles dequantized)
 
 
+def full_row_blocks_from(cfg) -> int:
+    """The fewest rows of a chunk whose quantized experts run full row blocks (moe.grouped_form)."""
+    return -(-moe.SMALL_BELOW * cfg.num_experts // cfg.num_experts_per_tok)
+
+
 def warm_up_chunks(cfg, chunk: int, capacity: int) -> list[tuple[int, int]]:
     """(start position, rows) of each kind of prompt chunk that a slot of `capacity` tokens can hold."""
     past_dense = (cfg.dense_limit // chunk + 1) * chunk      # the first chunk-grid position past the dense reach
-    rows = sorted({*(r for r in PROMPT_ROWS if r < chunk), chunk})
+    rows = sorted({*(r for r in (*PROMPT_ROWS, full_row_blocks_from(cfg)) if r < chunk), chunk})
     return [(start, n) for start in (0, past_dense) for n in rows if start + n <= capacity]
 
 

@@ -15,8 +15,11 @@ would), silu(gate) is computed in float32 and rounded, and its product with up r
 intermediate matches torch's bf16 `F.silu(gate) * up` up to accumulation order. The k slot outputs of a
 token are added in float32 in slot order 0..k-1 and rounded once. `moe_rows` keeps each slot's output in
 float32 up to that sum; `moe_grouped` rounds each weighted slot output to x's dtype first (it stores
-T*k rows of them). Block shapes never depend on the number of rows, and no atomics are used, so the results
-are deterministic and a row's (token's) result does not depend on which other rows share the launch.
+T*k rows of them). No atomics are used and block shapes never depend on the data, so the results are
+deterministic. moe_rows' block shapes are fixed; moe_grouped's follow a chunk's `GroupedForm` (its row block, and
+whether a quantized stack is dequantized whole), a function of the stacks and the chunk's pair count alone, so a
+row's (token's) result does not depend on which other rows share a launch of that form (TritonOps.chunks_experts
+runs chunks together only where each would take the same form alone).
 
 Either stack may be kept as GGML blocks (a QuantizedStack of a GGUF's experts): its products then run in
 moe_blocks.py's kernels, which dequantize the weights in registers (that file says where their numerics differ),
@@ -25,11 +28,14 @@ and the slot sum above.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import guard, moe_blocks
 from .expert_groups import group_pairs_by_expert
 from .guard import interpreted, tl, triton
+from .quant_tiles import dequantize_stack
 
 # Fixed configs, never tuned per call: results must not depend on T. Chosen by the arithmetic below and
 # checked in sm_90 SASS (16-byte loads, no spills); not yet timed on an H200 (`--bench` does that).
@@ -50,6 +56,29 @@ COMBINE = dict(BLOCK=1024, num_warps=4)
 GROUPED_BLOCK_M = 64
 GROUPED_GATE_UP = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
 GROUPED_DOWN = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
+# A short chunk over quantized stacks (fewer than SMALL_BELOW pairs an expert on average) runs row blocks of
+# SMALL_BLOCK_M pairs with two pipeline stages: its experts get a row block or two each either way, and the small
+# tile dequantizes the same weight tiles with less padding and shared memory (docs/PERFORMANCE.md: one layer's
+# Q4_K gate/up on the H200, 1.86 -> 1.14 ms at 128 tokens, 2.07 -> 1.27 ms at 512, slower from 2048).
+SMALL_BLOCK_M = 16
+SMALL_BELOW = 16
+SMALL_STAGES = 2
+
+
+class GroupedForm(NamedTuple):
+    """How moe_grouped runs a chunk: its row block, and whether each quantized stack is dequantized whole first
+    (moe_blocks.dequantized_for). Each choice may round a row otherwise, so chunks share a launch only in one form."""
+    block_m: int
+    dequantize_gate_up: bool
+    dequantize_down: bool
+
+
+def grouped_form(gate_up, down, pairs: int) -> GroupedForm:
+    """The form of a chunk of `pairs` (token, slot) pairs over these stacks: shapes alone, never the data."""
+    whole = moe_blocks.dequantized_for(gate_up, pairs), moe_blocks.dequantized_for(down, pairs)
+    tiles_in_registers = any(_is_blocks(stack) and not dense for stack, dense in zip((gate_up, down), whole))
+    small = tiles_in_registers and pairs < SMALL_BELOW * gate_up.shape[0]
+    return GroupedForm(SMALL_BLOCK_M if small else GROUPED_BLOCK_M, *whole)
 
 
 def _is_blocks(stack) -> bool:
@@ -284,10 +313,13 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     return _combine(y, flags, rows, hidden, top_k, x.dtype, shared)
 
 
-def grouped_configs(device: torch.device, itemsize: int) -> tuple[dict, dict]:
-    """The grouped kernels' configs with as many of their pipeline stages as fit on `device`: a gate/up stage
-    holds an [M, K] tile of x and the gate's and the up projection's [K, N] tiles, a down stage one of each."""
-    m, gu, dn = GROUPED_BLOCK_M, GROUPED_GATE_UP, GROUPED_DOWN
+def grouped_configs(device: torch.device, itemsize: int, m: int = GROUPED_BLOCK_M) -> tuple[dict, dict]:
+    """The grouped kernels' configs for row blocks of `m` pairs, with as many of their pipeline stages as fit on
+    `device`: a gate/up stage holds an [M, K] tile of x and the gate's and the up projection's [K, N] tiles, a down
+    stage one of each."""
+    gu, dn = GROUPED_GATE_UP, GROUPED_DOWN
+    if m == SMALL_BLOCK_M:
+        gu, dn = gu | {"num_stages": SMALL_STAGES}, dn | {"num_stages": SMALL_STAGES}
     gate_up_stage = (m * gu["BLOCK_K"] + 2 * gu["BLOCK_K"] * gu["BLOCK_N"]) * itemsize
     down_stage = (m * dn["BLOCK_K"] + dn["BLOCK_K"] * dn["BLOCK_N"]) * itemsize
     return (gu | {"num_stages": guard.stages_for(device, gate_up_stage, gu["num_stages"])},
@@ -295,10 +327,11 @@ def grouped_configs(device: torch.device, itemsize: int) -> tuple[dict, dict]:
 
 
 def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+                down: torch.Tensor, form: GroupedForm | None = None) -> torch.Tensor:
     """Prefill: x [T, H], ids/weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype,
-    through grouped GEMMs over the pairs sorted by expert. No host synchronisation; the grids are sized by
-    the padded upper bound and blocks past the last group exit at once."""
+    through grouped GEMMs over the pairs sorted by expert, in `form` (default: the rows' own, grouped_form). No
+    host synchronisation; the grids are sized by the padded upper bound and blocks past the last group exit at
+    once."""
     rows, hidden, inter, top_k = _check(x, ids, weights, gate_up, down)
     if rows == 0 or top_k == 0:
         return torch.zeros_like(x)
@@ -306,14 +339,16 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     gate_up, down = _dense_contiguous(gate_up), _dense_contiguous(down)
     num_experts = gate_up.shape[0]
     pairs = rows * top_k
-    if pairs + num_experts * GROUPED_BLOCK_M >= 2**31:
+    form = form or grouped_form(gate_up, down, pairs)
+    if pairs + num_experts * form.block_m >= 2**31:
         raise ValueError("too many (token, slot) pairs for int32 row indices")
-    pair_of_row, expert_of_block = group_pairs_by_expert(ids, num_experts, GROUPED_BLOCK_M)
+    pair_of_row, expert_of_block = group_pairs_by_expert(ids, num_experts, form.block_m)
     max_blocks = expert_of_block.numel()
     on_cpu = interpreted(x)
-    gate_up_config, down_config = grouped_configs(x.device, x.element_size())
-    gate_up, down = moe_blocks.dense_for_chunk(gate_up, pairs), moe_blocks.dense_for_chunk(down, pairs)
-    common = dict(INTERPRETED=on_cpu, BLOCK_M=GROUPED_BLOCK_M)
+    gate_up_config, down_config = grouped_configs(x.device, x.element_size(), form.block_m)
+    gate_up = dequantize_stack(gate_up) if form.dequantize_gate_up else gate_up
+    down = dequantize_stack(down) if form.dequantize_down else down
+    common = dict(INTERPRETED=on_cpu, BLOCK_M=form.block_m)
     h = torch.empty(pair_of_row.numel(), inter, device=x.device, dtype=x.dtype)
     if _is_blocks(gate_up):
         moe_blocks.grouped_gate_up(x, pair_of_row, expert_of_block, gate_up, h, pairs, top_k, gate_up_config,

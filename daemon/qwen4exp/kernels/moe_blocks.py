@@ -8,8 +8,9 @@ dequantizes them in registers (quant_tiles.py), in tiles of whole 32-value group
   [BLOCK_N, GROUPS, 32] tiles of weights against the row's values, float32 sums, fixed grids (CUDA-graph safe);
 * prefill (`grouped_gate_up`, `grouped_down`): the grouped GEMMs over pairs sorted by expert, each weight tile
   dequantized, rounded to x's dtype and fed to the tensor cores as the dense kernels' tiles are; a chunk whose
-  experts get many pairs each runs the dense kernels on the stack dequantized whole instead (`dense_for_chunk`:
-  dequantizing a tile once per row block of its expert costs more than streaming the dense twin once).
+  experts get many pairs each runs the dense kernels on the stack dequantized whole instead (`dequantized_for`:
+  dequantizing a tile once per row block of its expert costs more than streaming the dense twin once); a short
+  one runs smaller row blocks (moe.GroupedForm).
 
 Numerics: the decode kernels multiply by the dequantized weights in float32 (llama.cpp's values exactly, not
 rounded to x's dtype, which would add instructions to every weight of a memory-bound step); the prefill GEMMs
@@ -23,13 +24,13 @@ from __future__ import annotations
 import torch
 
 from .guard import tl, triton
-from .quant_tiles import dequantize_groups, dequantize_stack, grid_for
+from .quant_tiles import dequantize_groups, grid_for
 
 # Decode: as moe.py's ROWS_* (the same weight rows per program, 512 and 128 values a step along the row).
 ROWS_GATE_UP = dict(BLOCK_N=8, GROUPS=16, num_warps=4)
 ROWS_DOWN = dict(BLOCK_N=16, GROUPS=4, num_warps=4)
 # Prefill: from this many pairs per expert on average (a 3277-token chunk of the full model: 512 experts, top-10),
-# a quantized stack is dequantized whole for the chunk (dense_for_chunk). Below it the GEMMs dequantize their
+# a quantized stack is dequantized whole for the chunk (dequantized_for). Below it the GEMMs dequantize their
 # tiles: one row block (GROUPED_BLOCK_M = 64 pairs) an expert dequantizes each tile once, which costs less than
 # writing the dense twin and reading it again (docs/PERFORMANCE.md: the full model's Q4_K gate/up at 128, 512 and
 # 2048 tokens, 1.9-2.1 ms a layer against 2.9-3.0 ms dequantized whole).
@@ -190,18 +191,12 @@ def rows_down(h, ids, weights, flags, stack, y, top_k: int, common: dict) -> Non
                             QTYPE=stack.qtype, **common, **ROWS_DOWN)
 
 
-def dense_for_chunk(stack, pairs: int):
-    """The stack to run a prompt chunk of `pairs` (token, slot) pairs with: a quantized stack dequantized whole
-    (quant_tiles.dequantize_stack: its dense twin, in a temporary) when the chunk gives its experts at least
-    DENSE_FROM pairs each on average, so that the grouped GEMMs stream dense tiles as they do for a dense model;
-    else the stack itself (its tiles are dequantized in the GEMMs, each as many times as the expert has row
-    blocks). Chosen by the shapes alone."""
-    return dequantize_stack(stack) if dequantized_for(stack, pairs) else stack
-
-
 def dequantized_for(stack, pairs: int) -> bool:
-    """Whether `dense_for_chunk` dequantizes `stack` for a chunk of `pairs` pairs (the twin's GEMMs round
-    otherwise than the blocks' do, so chunks that share one launch must all be on the same side)."""
+    """Whether a prompt chunk of `pairs` (token, slot) pairs runs over `stack` dequantized whole
+    (quant_tiles.dequantize_stack: its dense twin, in a temporary) rather than over its blocks: when the chunk gives
+    its experts at least DENSE_FROM pairs each on average, the grouped GEMMs stream dense tiles as they do for a
+    dense model, instead of dequantizing each tile once per row block of its expert. Chosen by the shapes alone;
+    part of the chunk's moe.GroupedForm (the twin's GEMMs round otherwise than the blocks' do)."""
     return not isinstance(stack, torch.Tensor) and pairs >= DENSE_FROM * stack.shape[0]
 
 

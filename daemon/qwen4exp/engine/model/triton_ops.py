@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ...kernels import conv as conv_kernels
 from ...kernels import delta_rule as delta_rule_kernels
-from ...kernels import block_products, gated_norm, hyper, moe, moe_blocks, qsa_attention, qsa_select, quant_tiles
+from ...kernels import block_products, gated_norm, hyper, moe, qsa_attention, qsa_select, quant_tiles
 from ...kernels import rope, router
 from ...kernels import row_products
 from . import conv, delta_rule, qsa
@@ -72,27 +72,26 @@ class TritonOps(TorchOps):
             return router.route_rows(logits, top_k, normalize)
         return super().route(logits, top_k, normalize, step)
 
-    def experts(self, x, ids, weights, experts, shared, step):
+    def experts(self, x, ids, weights, experts, shared, step, form: moe.GroupedForm | None = None):
         if step.decode:
             return moe.moe_rows(x, ids, weights, experts.gate_up_proj, experts.down_proj, step.flags, shared)
-        routed = moe.moe_grouped(x, ids, weights, experts.gate_up_proj, experts.down_proj)
+        routed = moe.moe_grouped(x, ids, weights, experts.gate_up_proj, experts.down_proj, form)
         return routed + torch.sigmoid(shared[1]) * shared[0]
 
     def chunks_experts(self, moe_block, mixed, steps):
-        # The routed experts of every chunk in one grouped launch, their weights read once for all: the grouped
-        # kernels' rows do not depend on each other (tests/test_moe_kernels.py), so each chunk's rows come out as
-        # they do alone. The router and the shared expert, products whose sums may follow the row count, run per
-        # chunk; so does every chunk when sharing would dequantize a GGUF's stack for some and not for others.
+        # The routed experts of every chunk in one grouped launch, their weights read once for all: within one
+        # form (moe.grouped_form) the grouped kernels' rows do not depend on each other (tests/test_moe_kernels.py),
+        # so each chunk's rows come out as they do alone, in the form it takes alone (its own pair count's, whatever
+        # the sum). The router and the shared expert, products whose sums may follow the row count, run per chunk;
+        # so does every chunk when the chunks' forms differ.
         routed = [moe_block.route(x, step) for x, step in zip(mixed, steps)]
         experts = moe_block.experts
-        pairs = [ids.numel() for _, ids, _, _ in routed]
-        stacks = (experts.gate_up_proj, experts.down_proj)
-        if any(moe_blocks.dequantized_for(stack, sum(pairs)) != moe_blocks.dequantized_for(stack, count)
-               for stack in stacks for count in pairs):
+        forms = {moe.grouped_form(experts.gate_up_proj, experts.down_proj, ids.numel()) for _, ids, _, _ in routed}
+        if len(forms) > 1:
             return [self.experts(*r[:3], experts, r[3], step) for r, step in zip(routed, steps)]
         x, ids, weights = (torch.cat([r[i] for r in routed]) for i in range(3))
         shared = tuple(torch.cat([r[3][i] for r in routed]) for i in range(2))
-        out = self.experts(x, ids, weights, experts, shared, steps[0])
+        out = self.experts(x, ids, weights, experts, shared, steps[0], form=forms.pop())
         return list(out.split([r[0].shape[0] for r in routed]))
 
     def table_rows(self, table, rows):
