@@ -171,6 +171,7 @@ def test_wrong_type_names_file_key_value_and_expectation(etc, tmp_path):
     ('[[devices]]\nname = "cpu"\nrole = "targt"\n', "did you mean 'target'"),
     ("slots = 17\n", r"slots = 17: .*expected a whole number from 1 to 16"),
     ("headroom = 0.6\n", r"headroom = 0.6: .*expected a fraction from 0 to 0.5"),
+    ("hot_experts = -1\n", r"hot_experts = -1: .*expected a whole number from 0 to 512"),
 ])
 def test_rules_between_and_within_keys(etc, tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
@@ -236,11 +237,13 @@ def test_check_accepts_tiny_and_a_checkpoint_refuses_a_missing_model(etc, tmp_pa
 def test_check_warns_but_does_not_fail(etc, tmp_path, monkeypatch):
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    profile = write(tmp_path / "p.toml", '[server]\nhost = "0.0.0.0"\n[[devices]]\nname = "cuda:1"\nrole = "target"\n')
+    profile = write(tmp_path / "p.toml", 'hot_experts = 8\n[server]\nhost = "0.0.0.0"\n[[devices]]\nname = "cuda:1"\n'
+                                         'role = "target"\n')
     with pytest.warns(ConfigWarning) as caught:
         check_profile(profile, env=env_for(etc))
     text = " | ".join(str(w.message) for w in caught)
     assert "cuda:1 is not visible here" in text and "no api_key" in text
+    assert "hot_experts = 8 does nothing without a split device" in text
     profile.write_text(f'[server]\napi_key = "{SECRET}"\n')
     profile.chmod(0o644)
     with pytest.warns(ConfigWarning) as caught:

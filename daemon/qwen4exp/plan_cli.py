@@ -162,7 +162,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {err}") from None
     header = {"model": config.model, "device": str(device), "dtype": config.dtype_on(device), "slots": config.slots,
               "max_ctx": config.max_ctx, "chunk": config.chunk, "device_memory_limit": config.device_memory_limit,
-              "headroom": config.headroom, "snapshots": "device" if settings["snapshots_on_device"] else "host"}
+              "headroom": config.headroom, "snapshots": "device" if settings["snapshots_on_device"] else "host",
+              "hot_experts": config.hot_experts}
     if args.json:
         print(json.dumps(_as_json(header, result)))
     else:
@@ -260,7 +261,7 @@ def _estimate_inputs(args: argparse.Namespace) -> dict[str, Any]:
                 max_ctx=_max_ctx(args.max_ctx) if args.max_ctx is not None else (settings.max_ctx if settings
                                                                                   else "auto"),
                 chunk=chunk, ple=args.ple or (settings.ple if settings else "auto"), snapshots=snapshots,
-                mtp=settings.mtp if settings else "auto",
+                mtp=settings.mtp if settings else "auto", hot_experts=settings.hot_experts if settings else 0,
                 headroom=args.headroom if args.headroom is not None else (settings.headroom if settings else 0.1))
 
 
@@ -273,7 +274,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         facts = model_facts(inputs["model"], args.quant, inputs["dtype"])
         est = estimate_plan(facts, inputs["target"], inputs["splits"], slots=inputs["slots"], chunk=inputs["chunk"],
                             ple=inputs["ple"], headroom=inputs["headroom"], snapshots_on_device=inputs["snapshots"],
-                            max_ctx=inputs["max_ctx"], mtp=inputs["mtp"])
+                            max_ctx=inputs["max_ctx"], mtp=inputs["mtp"], hot_experts=inputs["hot_experts"])
     except (EstimateError, ValueError) as err:
         raise SystemExit(f"error: {err}") from None
     print(json.dumps(estimate_json(est)) if args.json else estimate_text(est))

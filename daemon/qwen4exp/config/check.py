@@ -132,6 +132,12 @@ def _policy_warnings(settings: Settings, sources: Mapping[str, str]) -> list[str
     if profile is not None and in_profile and profile.stat().st_mode & stat.S_IROTH:
         out.append(f"{profile} holds {' and '.join(in_profile)} and every user can read it; chmod 600 it, or move "
                    f"the keys to an EnvironmentFile (QWEN4EXP_API_KEY, QWEN4EXP_ADMIN_KEY)")
+    if settings.hot_experts and any(d.kind == "cpu" for d in settings.split_devices):
+        out.append(f"hot_experts = {settings.hot_experts}: layers on cpu run the torch forms, which compute every "
+                   f"pair on both devices to keep their numbers; hot experts speed up a GPU split device only")
+    if settings.hot_experts and not settings.split_devices:
+        out.append(f"hot_experts = {settings.hot_experts} does nothing without a split device: every layer's experts "
+                   f"are on the target already")
     if settings.park_after_idle is not None and not settings.wake_on_request:
         out.append("park_after_idle is set and wake_on_request is false: after an idle park every request gets "
                    "503 until someone calls /unpark")

@@ -214,6 +214,11 @@ class Settings(BaseSettings):
         "Speculative decoding with the model's MTP head: up to this many drafted tokens per slot and step, each "
         "slot as many as its recent acceptance pays for; the output is the same as with 0. `auto`: 3 where the "
         "backend verifies a step's positions together, else 0 (today: 0 everywhere, docs/ENGINE.md says why).")
+    hot_experts: int = _field(
+        0, "a whole number from 0 to 512",
+        "With `split` devices: this many of each split layer's experts, the most routed, are also kept on the target, "
+        "whose decode steps run the pairs routed to them (chosen at each load from the counts while serving, or a "
+        "calibration prompt at the first).", ge=0, le=512)
     ple: Annotated[Literal["auto", "device", "host"], BeforeValidator(_lower)] = _field(
         "auto", "'auto', 'device' or 'host'",
         "Where a GGUF's quantized PLE n-gram table lives: `host` keeps it in pinned system memory (the GPU reads the "

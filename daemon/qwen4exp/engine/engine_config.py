@@ -62,6 +62,7 @@ class EngineConfig:
     ple: str = "auto"                     # where a GGUF's quantized PLE table lives: "device", "host", or "auto"
     mtp: int | str = "auto"               # most drafted tokens per slot and step, or "auto" (speculative.py)
     split: tuple[tuple[str, int | None], ...] = ()   # devices holding layers beside the target: (name, memory limit)
+    hot_experts: int = 0                  # a split layer's most routed experts also kept on the target (hot_experts.py)
     placement: Any = None                 # placement.Placement once decided (a reload keeps it), else None
 
     def __post_init__(self) -> None:
@@ -90,6 +91,7 @@ class EngineConfig:
             raise ValueError(f"engine setting ple must be 'auto', 'device' or 'host', got {self.ple!r}")
         if self.mtp != "auto":
             _whole("mtp", self.mtp, 0, MAX_DRAFTS)
+        _whole("hot_experts", self.hot_experts, 0)
         for entry in self.split:
             if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]
                     and entry[0] != self.device and (entry[1] is None or isinstance(entry[1], int))):
@@ -114,7 +116,8 @@ class EngineConfig:
                    queue_limit=settings.server.queue_limit, cuda_graphs=settings.cuda_graphs,
                    compile_decode=settings.compile_decode, decode_beside_prompts=settings.decode_beside_prompts,
                    batch_prompts=settings.batch_prompts, ple=settings.ple, mtp=settings.mtp,
-                   split=tuple((d.name, settings.memory_limit_for(d)) for d in settings.split_devices))
+                   split=tuple((d.name, settings.memory_limit_for(d)) for d in settings.split_devices),
+                   hot_experts=settings.hot_experts)
 
     @property
     def spacing(self) -> int:
@@ -131,10 +134,11 @@ class EngineConfig:
             return self.dtype
         return "bfloat16" if device.type == "cuda" else "float32"
 
-    def load_model(self, progress: bool = False):
+    def load_model(self, progress: bool = False, hot_counts: dict[int, list[int]] | None = None):
         """(device, model): the devices' memory limits set first, so the load already stays under them, then the
         checkpoint loaded in this config's dtype: on the target, or with `split` devices placed over them all
-        (`choose_placement`, unless a placement was kept from an earlier load)."""
+        (`choose_placement`, unless a placement was kept from an earlier load), the split layers' hot experts
+        copied to the target (`keep_hot_experts`, chosen from `hot_counts`)."""
         from .loading import load_model
         from .memory import set_device_memory_limit
 
@@ -150,8 +154,30 @@ class EngineConfig:
         placement, ple_on_host = self.placement, self.ple == "host"
         if self.split and placement is None:
             placement, ple_on_host = self.choose_placement(device)
-        return device, load_model(self.model, dtype=self.dtype_on(device), device=device, progress=progress,
-                                  ple_on_host=ple_on_host, placement=placement)
+        model = load_model(self.model, dtype=self.dtype_on(device), device=device, progress=progress,
+                           ple_on_host=ple_on_host, placement=placement)
+        self.keep_hot_experts(model, hot_counts)
+        return device, model
+
+    def keep_hot_experts(self, model, counts: dict[int, list[int]] | None = None) -> None:
+        """Copy `hot_experts` of each split layer's experts to the target (hot_experts.py): the most counted in
+        `counts` (pairs routed while serving), or, without any, in a calibration prompt run now (none without a
+        split or with 0)."""
+        from . import hot_experts
+
+        if not self.hot_experts or not hot_experts.split_experts(model):
+            return
+        experts = model.config.num_experts
+        if self.hot_experts > experts:
+            raise ValueError(f"engine setting hot_experts ({self.hot_experts}) is more than the model's {experts} "
+                             f"experts a layer")
+        source = "serving"
+        if not counts or not any(any(row) for row in counts.values()):
+            from ..tokenizer import Tokenizer
+            tokenizer = Tokenizer.from_path(self.model) if self.model is not None else None
+            ids = hot_experts.calibration_ids(tokenizer, model.config.vocab_size)
+            counts, source = hot_experts.calibrate(model, ids, self.chunk), "calibration"
+        hot_experts.keep_hot(model, hot_experts.choose(counts, self.hot_experts), source)
 
     def choose_placement(self, device, facts=None):
         """(placement.Placement, whether the PLE table goes to host memory) for the split devices: the planner's
@@ -170,7 +196,7 @@ class EngineConfig:
                                 tuple(measured_size("split", name, limit, reserve) for name, limit in self.split),
                                 slots=self.slots, chunk=self.chunk, ple=self.ple, max_ctx=self.max_ctx,
                                 headroom=self.headroom, snapshots_on_device=snapshots_share_device_memory(device),
-                                mtp=self.mtp)
+                                mtp=self.mtp, hot_experts=self.hot_experts)
         except EstimateError as err:
             raise FitError(f"placing layers on {', '.join(name for name, _ in self.split)}: {err}") from None
         fit = est.split

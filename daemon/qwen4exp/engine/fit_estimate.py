@@ -88,6 +88,7 @@ class ModelFacts:
     layer_carried: tuple[int, ...]    # ... of each decoder layer
     dense_stacks: int                 # one layer's expert stacks dequantized whole (0: the stacks are dense)
     trained: int
+    layer_experts: tuple[int, ...] = ()   # one routed expert's bytes in each decoder layer (a hot copy's)
 
     def on_device(self, ple_on_host: bool) -> int:
         return self.weights - (self.ple_table if ple_on_host else 0)
@@ -186,8 +187,11 @@ def _facts_from_shapes(cfg, stacks: dict, dtype: str, label: str, quant: str) ->
     for name in ("gate_up_proj", "down_proj"):
         shapes = [shape for key, (_, shape) in stacks.items() if key.endswith(f".experts.{name}")]
         dense += max((math.prod(shape) for shape in shapes), default=0) * torch_dtype.itemsize
+    layer_experts = tuple(sum(t.numel() * t.element_size() for name, t in tensors.items()
+                              if name.startswith(f"model.layers.{i}.mlp.experts.")) // cfg.num_experts
+                          for i in range(cfg.num_hidden_layers))
     return ModelFacts(label, cfg, dtype, quant, weights, ple, layers, per_position, fixed, layer_states,
-                      sum(layer_carried), layer_carried, dense, cfg.max_position_embeddings)
+                      sum(layer_carried), layer_carried, dense, cfg.max_position_embeddings, layer_experts)
 
 
 def per_layer_states(cfg, dtype, extra: int) -> tuple[tuple[int, int], ...]:
@@ -310,6 +314,7 @@ class Estimate:
     ple: str                                   # the setting
     fit: Fit                                   # the engine's answer: the target alone
     drafts: int = 0                            # mtp's drafts per slot and step, as the engine would resolve them
+    hot_experts: int = 0                       # each split layer's experts also kept on the target
     tried: list[Fit] = field(default_factory=list)
     split: Fit | None = None                   # what a split would hold (not served by the engine yet)
     split_tried: list[Fit] = field(default_factory=list)
@@ -340,10 +345,12 @@ def backend_for(kind: str, dtype: str) -> str:
 
 def estimate_plan(facts: ModelFacts, target: DeviceSize, splits: tuple[DeviceSize, ...] = (), *, slots: int = 4,
                   chunk: int, ple: str = "auto", headroom: float = 0.1, snapshots_on_device: bool | None = None,
-                  max_ctx: int | str = "auto", max_chunk: int = 8192, mtp: int | str = 0) -> Estimate:
+                  max_ctx: int | str = "auto", max_chunk: int = 8192, mtp: int | str = 0,
+                  hot_experts: int = 0) -> Estimate:
     """The plan for `facts` on `target` (and what `splits` would add), decided as the engine decides it: the PLE
     table on the device unless ple = "host", or "auto" on a GPU moves it to host memory when that fits a longer
-    context (EngineConfig.resolve_context)."""
+    context (EngineConfig.resolve_context). `hot_experts`: copies of that many experts of each split layer on the
+    target (engine/hot_experts.py)."""
     from .limits import MAX_SLOTS
 
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
@@ -356,8 +363,12 @@ def estimate_plan(facts: ModelFacts, target: DeviceSize, splits: tuple[DeviceSiz
     backend = backend_for(target.kind, facts.dtype)
     on_device = target.kind == "cpu" if snapshots_on_device is None else snapshots_on_device
     trained, step, floor = _search_range(facts, max_ctx)
+    if isinstance(hot_experts, bool) or not isinstance(hot_experts, int) \
+            or not 0 <= hot_experts <= facts.cfg.num_experts:
+        raise EstimateError(f"hot_experts must be a whole number from 0 to the model's {facts.cfg.num_experts} "
+                            f"experts, got {hot_experts!r}")
     est = Estimate(facts, backend, target, splits, slots, chunk, floor_chunk(chunk), headroom, on_device, ple,
-                   fit=Fit("none", 0), drafts=_drafts(mtp, facts, backend, target.kind))
+                   fit=Fit("none", 0), drafts=_drafts(mtp, facts, backend, target.kind), hot_experts=hot_experts)
     if est.drafts:
         est.notes.append(f"mtp: each slot keeps its carried state for {est.drafts} draft positions "
                          f"({human_size(est.drafts * facts.carried)} a slot)")
@@ -379,6 +390,11 @@ def estimate_plan(facts: ModelFacts, target: DeviceSize, splits: tuple[DeviceSiz
     est.fit, est.tried = _decide(est, trained, step, floor, max_chunk, split=False)
     if splits:
         est.split, est.split_tried = _decide(est, trained, step, floor, max_chunk, split=True)
+        held = [i for first, last, _ in est.split.split_layers.values() for i in range(first, last + 1)]
+        if hot_experts and held:
+            est.notes.append(f"hot experts: {hot_experts} of each of the {len(held)} split layers' experts also on the "
+                             f"target ({human_size(hot_experts * sum(facts.layer_experts[i] for i in held))}, in "
+                             f"its weights)")
         if est.split.ple == "host" and not all(d.holds_host_memory for d in splits):
             est.notes.append("split: the PLE table in host memory is counted only against split devices named "
                              "`cpu`; whether a GPU is integrated (its memory the system's) an estimate cannot tell "
@@ -438,7 +454,7 @@ def _search(est: Estimate, ple: str, trained: int, step: int, floor: int, max_ch
     fit = Fit(ple, weights)
     splits = []
     if counts is not None:
-        on_target, splits = split_inputs(facts, est.splits, counts, ple == "host")
+        on_target, splits = split_inputs(facts, est.splits, counts, ple == "host", est.hot_experts)
         weights = fit.weights = on_target.weights
         per_position, fixed = on_target.per_position, on_target.fixed + est.drafts * on_target.carried
         fit.split_layers = {part.device.name: (part.first, part.last, part.weights) for part in splits if part.layers}
@@ -498,7 +514,7 @@ def _best_split(est: Estimate, ple: str, trained: int, step: int, floor: int, ma
         here = None              # this device's best count and its fit, given the counts before it
         for k in range(layers - sum(counts) + 1):
             trial = tuple(counts + [k] + [0] * (len(est.splits) - j - 1))
-            held = split_inputs(est.facts, est.splits, trial, ple == "host")[1][j]
+            held = split_inputs(est.facts, est.splits, trial, ple == "host", est.hot_experts)[1][j]
             if held.weights > room:
                 break
             fit = _search(est, ple, trained, step, floor, max_chunk, trial)
@@ -530,11 +546,12 @@ class DevicePart:
     carried: int          # one slot's carried state of these layers (kept per draft position)
 
 
-def split_inputs(facts: ModelFacts, splits: tuple[DeviceSize, ...], counts: tuple[int, ...], ple_on_host: bool
-                 ) -> tuple[DevicePart, list[DevicePart]]:
+def split_inputs(facts: ModelFacts, splits: tuple[DeviceSize, ...], counts: tuple[int, ...], ple_on_host: bool,
+                 hot_experts: int = 0) -> tuple[DevicePart, list[DevicePart]]:
     """The target's part and each split device's when split device j holds counts[j] whole layers, placed as
     placement.Placement.with_split places them: a layer's weights and its state go together; the target keeps the
-    embedding, the LM head, the MTP head and its cache, and the layers left."""
+    embedding, the LM head, the MTP head and its cache, the layers left, and copies of `hot_experts` experts of
+    each split layer."""
     from .placement import Placement
 
     layer_bytes = list(facts.layers)
@@ -554,7 +571,8 @@ def split_inputs(facts: ModelFacts, splits: tuple[DeviceSize, ...], counts: tupl
     on_target = part(target)
     # The target's own bytes besides its layers (embedding, LM head, MTP head and its cache): the whole model's less
     # what the split devices hold.
-    return replace(on_target, weights=facts.on_device(ple_on_host) - sum(p.weights for p in parts),
+    hot = hot_experts * sum(facts.layer_experts[i] for i, name in enumerate(placement.layers) if name != target.name)
+    return replace(on_target, weights=facts.on_device(ple_on_host) - sum(p.weights for p in parts) + hot,
                    per_position=facts.per_position - sum(p.per_position for p in parts),
                    fixed=facts.fixed - sum(p.fixed for p in parts)), parts
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from .hot_experts import hot_bytes
 from .memory import PeakMeter, as_device, is_out_of_memory, release_cached_blocks, run_with_oom_retry
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .state import SequenceState
@@ -59,6 +60,7 @@ def placed_weight_bytes(model: Qwen4ExpForCausalLM, device: torch.device) -> dic
         where = homes[int(parts[2])] if parts[:2] == ["model", "layers"] else model.placement.target
         if _on(tensor, torch.device(where)):
             held[where] += tensor.numel() * tensor.element_size()
+    held[model.placement.target] += hot_bytes(model)       # split layers' experts copied there (not parameters)
     return held
 
 

@@ -275,6 +275,15 @@ def _combine(y: torch.Tensor, flags: torch.Tensor | None, rows: int, hidden: int
     return out
 
 
+def _flags(active: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    if active is None:
+        return None
+    if active.shape != (rows,):
+        raise ValueError(f"active must be [{rows}], got {tuple(active.shape)}")
+    # uint8 as given (the decode step converts once), else a new tensor: torch.compile cannot view bool
+    return active if active.dtype == torch.uint8 else (active != 0).to(torch.uint8)
+
+
 def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
              down: torch.Tensor, active: torch.Tensor | None = None,
              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -286,14 +295,19 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     rows, hidden, inter, top_k = _check(x, ids, weights, gate_up, down)
     if rows == 0 or top_k == 0:
         return torch.zeros_like(x) if shared is None else torch.sigmoid(shared[1]) * shared[0]
+    flags = _flags(active, rows)
+    return combine_slots(pair_outputs(x, ids, weights, gate_up, down, flags), flags, top_k, x.dtype, shared)
+
+
+def pair_outputs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor, flags: torch.Tensor | None = None) -> torch.Tensor:
+    """moe_rows' first two launches: each (row, slot) pair's weighted expert output [T * k, H] in float32. A pair's
+    values depend on its row, expert and weight alone: the same with x's rows repeated k times and one slot each
+    (engine/hot_experts.py runs some pairs on another device that way). Rows whose `flags` (uint8 [T]) are 0 are
+    not written."""
+    rows, hidden, inter, top_k = _check(x, ids, weights, gate_up, down)
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     gate_up, down = _dense_contiguous(gate_up), _dense_contiguous(down)
-    flags = None
-    if active is not None:
-        if active.shape != (rows,):
-            raise ValueError(f"active must be [{rows}], got {tuple(active.shape)}")
-        # uint8 as given (the decode step converts once), else a new tensor: torch.compile cannot view bool
-        flags = active if active.dtype == torch.uint8 else (active != 0).to(torch.uint8)
     pairs = rows * top_k
     h = torch.empty(pairs, inter, device=x.device, dtype=x.dtype)
     y = torch.empty(pairs, hidden, device=x.device, dtype=torch.float32)
@@ -310,7 +324,13 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
         grid = (pairs, triton.cdiv(hidden, ROWS_DOWN["BLOCK_N"]))
         _rows_down_kernel[grid](h, ids, weights, flag_arg, down, y, hidden, inter, top_k,
                                 HAS_ACTIVE=flags is not None, **ROWS_DOWN)
-    return _combine(y, flags, rows, hidden, top_k, x.dtype, shared)
+    return y
+
+
+def combine_slots(y: torch.Tensor, flags: torch.Tensor | None, top_k: int, dtype: torch.dtype,
+                  shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """moe_rows' last launch over pair outputs y [T * k, H] (pair_outputs'): [T, H] in `dtype`."""
+    return _combine(y, flags, y.shape[0] // top_k, y.shape[1], top_k, dtype, shared)
 
 
 def grouped_configs(device: torch.device, itemsize: int, m: int = GROUPED_BLOCK_M) -> tuple[dict, dict]:

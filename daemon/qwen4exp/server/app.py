@@ -88,6 +88,8 @@ async def props(request: web.Request) -> web.Response:
         "device": supervisor.info.get("device"),
         # With split devices: each run of layers and its device (engine/placement.py), as the fit placed them.
         "placement": supervisor.info.get("placement"),
+        # Split layers' experts also kept on the target (engine/hot_experts.py), or None.
+        "hot_experts": supervisor.info.get("hot_experts"),
         "warm_up_s": supervisor.info.get("warm_up_seconds"),
         "dtype": engine.dtype,
         "prefix_cache": stats.get("prefix_cache"),

@@ -28,6 +28,7 @@ class Worker:
         self.requests: dict[str, object] = {}
         self.plan = plan                 # the context fit's plan, when max_ctx is "auto"
         self.parked_model = None         # the model, its weights in pinned host memory, while parked to "offload"
+        self.hot_counts = None           # split layers' routing counts so far (engine/hot_experts.py), kept over parks
 
     def send(self, message) -> None:
         with self.send_lock:
@@ -37,6 +38,7 @@ class Worker:
     def load(self) -> dict:
         import torch
 
+        from ..engine import hot_experts
         from ..engine.engine import Engine
         from ..engine.offload import restore
         from ..tokenizer import Tokenizer
@@ -46,9 +48,11 @@ class Worker:
         if self.parked_model is not None:
             device, model, self.parked_model = config.torch_device(), self.parked_model, None
             restore(model, device)
+            # Before the fit, which counts their copies as the target's weights (load_model keeps them too).
+            config.keep_hot_experts(model, self.hot_counts)
             weights_from = "host memory"
         else:
-            device, model = config.load_model()
+            device, model = config.load_model(hot_counts=self.hot_counts)
             weights_from = "checkpoint"
         # A context fitted before (by this worker before a park, or by the one before a restart) is kept: a new
         # fit could land elsewhere, and the snapshots and the clients count on the context.
@@ -62,9 +66,12 @@ class Worker:
                                          prefix_cache=self.cache)
         # On a GPU, the kernels a prompt can launch are compiled now, not on the first requests' path.
         warm_up_seconds = self.engine.warm_up() if device.type == "cuda" else 0.0
+        if config.hot_experts:
+            hot_experts.count_while_serving(model)
         self.engine.start()
         return {"context": context, "plan": self.plan, "context_fitted_now": fitted_now, "ple": config.ple,
                 "placement": None if config.placement is None else config.placement.to_json(),
+                "hot_experts": hot_experts.describe(model),
                 "load_seconds": round(time.perf_counter() - started, 3), "weights_from": weights_from,
                 "warm_up_seconds": round(warm_up_seconds, 3),
                 "device": str(device), "vocab_size": model.config.vocab_size,
@@ -83,6 +90,7 @@ class Worker:
 
         import torch
 
+        from ..engine import hot_experts
         from ..engine.offload import offload
         started = time.perf_counter()
         cuda = torch.cuda.is_available()
@@ -92,6 +100,9 @@ class Worker:
             self.engine.stop()
             self.engine.abort_all()
             model, self.engine = self.engine.model, None
+        if model is not None:
+            self.hot_counts = hot_experts.add_counts(self.hot_counts, hot_experts.read_counts(model, stop=True))
+            hot_experts.drop_hot(model)          # rebuilt on the target at the next load
         kept = 0
         if level is ParkLevel.OFFLOAD and model is not None:
             kept, self.parked_model = offload(model), model

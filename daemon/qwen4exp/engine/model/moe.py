@@ -52,6 +52,11 @@ class Experts(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        # A split layer's (engine/hot_experts.py), neither a parameter nor a buffer: they stay where they are put
+        # when the module moves. `hot`: copies of its most routed experts on the target; `counts`: pairs routed to
+        # each expert while serving, int64 [E] on the layer's device.
+        self.hot = None
+        self.counts: torch.Tensor | None = None
 
 
 def experts_per_row(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -59,11 +64,20 @@ def experts_per_row(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     """A decode step's rows, each through its own k experts as a batch of matrix-vector products over gathered
     expert weights, summed in slot order: a row's result depends only on the row (for a fixed number of rows).
     Rows with active False get zeros. Fixed shapes and no host synchronisation (a CUDA graph holds it)."""
-    rows, k = ids.shape
-    flat = ids.reshape(-1)
-    inputs = x.repeat_interleave(k, dim=0).unsqueeze(-1)
-    gate, up = torch.bmm(gate_up[flat], inputs).squeeze(-1).chunk(2, dim=-1)
-    y = torch.bmm(down[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    return sum_slots(pair_outputs(x.repeat_interleave(ids.shape[1], dim=0), ids.reshape(-1), gate_up, down),
+                     weights, active)
+
+
+def pair_outputs(inputs: torch.Tensor, flat_ids: torch.Tensor, gate_up, down) -> torch.Tensor:
+    """experts_per_row's products: pair i's input row inputs[i] through expert flat_ids[i] -> [pairs, H]. A pair's
+    values depend on its row and expert alone, for a fixed number of pairs."""
+    gate, up = torch.bmm(gate_up[flat_ids], inputs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    return torch.bmm(down[flat_ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+
+
+def sum_slots(y: torch.Tensor, weights: torch.Tensor, active: torch.Tensor | None) -> torch.Tensor:
+    """experts_per_row's sum of a row's k pair outputs y [rows * k, H], weighted, in slot order."""
+    rows, k = weights.shape
     y = y.view(rows, k, -1) * weights.unsqueeze(-1)
     out = y[:, 0]
     for slot in range(1, k):
@@ -112,5 +126,14 @@ class SparseMoeBlock(SharedInputProjections):
         expert's output, its gate logit)). Everything up to the routed experts, which ops.experts runs."""
         router_logits, swiglu_gate, swiglu_up, shared_gate_logit = self.project_input(x, step)
         ids, weights = self.gate(x, router_logits, step)
+        if self.experts.counts is not None:
+            count_pairs(self.experts.counts, ids, step.flags)
         shared = self.shared_expert(swiglu_gate, swiglu_up, step)
         return x, ids, weights, (shared, shared_gate_logit)
+
+
+def count_pairs(counts: torch.Tensor, ids: torch.Tensor, flags: torch.Tensor | None) -> None:
+    """Add each expert's pairs of `ids` [T, k] to `counts` (a decode step's rows with flags 0 add none), on the
+    device, with no host synchronisation."""
+    ones = torch.ones_like(ids) if flags is None else flags.to(ids.dtype).unsqueeze(-1).expand_as(ids)
+    counts.scatter_add_(0, ids.reshape(-1), ones.reshape(-1))

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import hot_experts
 from . import conv, delta_rule, hyper, moe, qsa
 from .quantized import QuantizedStack
 from .rope import apply_rotary
@@ -110,7 +111,9 @@ class TorchOps:
                 shared: tuple[torch.Tensor, torch.Tensor], step) -> torch.Tensor:
         """The routed experts' sum plus sigmoid(shared gate logit) * the shared expert's output. A decode step
         gives idle rows no routed part."""
-        if step.decode:
+        if step.decode and experts.hot is not None:
+            routed = hot_experts.experts_per_row(x, ids, weights, experts, step.active)
+        elif step.decode:
             routed = moe.experts_per_row(x, ids, weights, experts.gate_up_proj, experts.down_proj, step.active)
         else:
             routed = moe.experts_grouped(x, ids, weights, experts.gate_up_proj, experts.down_proj)

@@ -20,6 +20,7 @@ from ...kernels import delta_rule as delta_rule_kernels
 from ...kernels import block_products, gated_norm, hyper, moe, qsa_attention, qsa_select, quant_tiles
 from ...kernels import rope, router
 from ...kernels import row_products
+from .. import hot_experts
 from . import conv, delta_rule, qsa
 from .ops import TorchOps, decode_product
 from .quantized import QuantizedStack
@@ -73,6 +74,8 @@ class TritonOps(TorchOps):
         return super().route(logits, top_k, normalize, step)
 
     def experts(self, x, ids, weights, experts, shared, step, form: moe.GroupedForm | None = None):
+        if step.decode and experts.hot is not None:
+            return hot_experts.moe_rows(x, ids, weights, experts, step.flags, shared)
         if step.decode:
             return moe.moe_rows(x, ids, weights, experts.gate_up_proj, experts.down_proj, step.flags, shared)
         routed = moe.moe_grouped(x, ids, weights, experts.gate_up_proj, experts.down_proj, form)
