@@ -284,12 +284,18 @@ def test_layers_on_the_host_keep_alone_equal_to_together_and_warm_equal_to_cold(
                                                                                 layers, monkeypatch):
     """The last layers (a QSA layer's cache with them; with 7, the PLE layer too) on the CPU beside the GPU, the
     CPU's torch forms running them: every logits row is the one a request gets alone, warm or cold (snapshots
-    hold the host layers' state too); the decode step runs eagerly."""
+    hold the host layers' state too); the decode step runs in segments, the GPU's two from CUDA graphs
+    (segmented_decode.py), and gives the eager step's logits."""
     record_logits(monkeypatch)
     model = _split(tiny_checkpoint, name, "cuda:0", "cpu", layers)
     assert model.spans_devices and model.model.layers[7].mlp.gate.weight.device.type == "cpu"
     engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, decode_beside_prompts=True)
     assert engine.decoder.graph is None and not engine.decode_beside_prompts
+    assert engine.decoder.segmented.graphs == 2 and len(engine.decoder.segmented.segments) == 3
+    specs = _specs()
+    eager = run_staggered(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, cuda_graphs=False), specs, [0, 2, 5, 9])
+    for got, want in zip(run_staggered(engine, specs, [0, 2, 5, 9]), eager):
+        assert_same_logits(got, want, f"{name}, {layers} layers on the host: graphed segments against eager")
     _warm_and_cold(model, f"{name}, {layers} layers on the host beside the GPU")
 
 
@@ -332,10 +338,12 @@ def test_layers_on_a_second_gpu_give_the_one_gpu_numbers(models, tiny_checkpoint
     record_logits(monkeypatch)
     model = _split(tiny_checkpoint, name, target, split, 5)
     specs, starts = _specs(), [0, 3, 7, 12]
-    # Both eager: the unsplit engine's CUDA graph is compared bit for bit with eager decoding nowhere else.
+    # The unsplit engine eager, the split one replaying its segments' graphs: the same kernels on the same inputs.
     want = run_staggered(Engine(models[name], slots=4, context=CONTEXT, chunk=CHUNK, cuda_graphs=False), specs,
                          starts)
-    got = run_staggered(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK), specs, starts)
+    engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK)
+    assert engine.decoder.segmented.graphs == 3          # the target's two segments and the second GPU's
+    got = run_staggered(engine, specs, starts)
     for a, b in zip(got, want):
         assert_same_logits(a, b, f"{name} split over {target} and {split}, {len(b.prompt_ids)}-token prompt")
     _oracle(monkeypatch, {tuple(s["prompt_ids"]): r.output_ids for s, r in zip(specs, want)}, random.Random(3),

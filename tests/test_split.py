@@ -316,3 +316,39 @@ def test_the_placement_is_kept_by_an_unpark_and_by_a_restarted_worker(monkeypatc
     worker.park(ParkLevel.RELEASE)
 
     assert next_worker_config(config, info).placement == placed          # what the next worker is started with
+
+
+@pytest.mark.parametrize("counts", [ONE, TWO, [("cpu:1", 8)]], ids=["one-split-device", "two-split-devices",
+                                                                     "every-layer-off-the-target"])
+def test_the_decode_step_in_segments_gives_the_models_own_step_bit_for_bit(plain, counts):
+    """engine/segmented_decode.py, run eagerly (a GPU replays each segment from a graph of its device): a segment
+    per run of layers, the embedding and the LM head on the target, the streams handed over between them; three
+    steps over rows at different positions, one idle, give decode_rows' logits and states bit for bit."""
+    from qwen4exp.engine.segmented_decode import SegmentedDecode, plan_segments
+
+    model = _model(counts)
+    plan = [(str(s.device), s.first, s.last, s.embeds, s.finishes) for s in plan_segments(model)]
+    if counts == ONE:
+        assert plan == [("cpu", 0, 4, True, False), ("cpu:1", 5, 7, False, False), ("cpu", 0, -1, False, True)]
+    if counts == [("cpu:1", 8)]:
+        assert plan[0] == ("cpu", 0, -1, True, False) and plan[-1] == ("cpu", 0, -1, False, True)
+    ids = torch.randint(0, model.config.vocab_size, (70,), generator=torch.Generator().manual_seed(9))
+    states = {name: model.new_state_batch(3, 128) for name in ("own", "segments")}
+    rope = model.rope_table(128, "cpu")
+    inputs = {"tokens": torch.zeros(3, dtype=torch.long), "positions": torch.zeros(3, dtype=torch.long),
+              "active": torch.zeros(3, dtype=torch.bool)}
+    # Made while every row is empty, as the engine makes its decode runner: its first step runs on idle rows.
+    segmented = SegmentedDecode(model, states["segments"], inputs, rope, graphs=False)
+    assert segmented.graphs == 0
+    for batch in states.values():
+        for row, length in zip(batch.rows, (37, 70, 5)):
+            model(ids[:length], row)
+    for step, tokens in enumerate(([4, 5, 6], [7, 8, 9], [10, 11, 12])):
+        positions, active = torch.tensor([37 + step, 70 + step, 5]), torch.tensor([True, True, False])
+        want = model.decode_rows(torch.tensor(tokens), positions, active, states["own"], rope)
+        inputs["tokens"].copy_(torch.tensor(tokens))
+        inputs["positions"].copy_(positions)
+        inputs["active"].copy_(active)
+        assert torch.equal(segmented.run(), want), step
+    for a, b in zip(states["own"].carried(), states["segments"].carried()):
+        assert torch.equal(a, b)

@@ -111,8 +111,8 @@ def _device_warnings(settings: Settings) -> list[str]:
         out.append("dtype: float32 on a GPU doubles the weights' memory; bfloat16 is the serving dtype")
     if settings.target.kind == "cuda" and any(d.kind == "cpu" for d in settings.split_devices):
         out.append("devices: layers split off to cpu run the torch forms on the host's cores, far slower than on the "
-                   "GPU, and decode steps then run without a CUDA graph; the planner puts layers there only when the "
-                   "GPU cannot hold the context")
+                   "GPU, and eagerly (the GPU's parts of a decode step replay graphs); the planner puts layers there "
+                   "only when the GPU cannot hold the context")
     return out
 
 

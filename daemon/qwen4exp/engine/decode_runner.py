@@ -87,13 +87,24 @@ class DecodeRunner:
         # torch.compile fuses the step's many small element-wise kernels (GPU only; traced once per engine).
         self._step = torch.compile(model.decode_rows_impl, dynamic=False) if compile and pinned and \
             not model.spans_devices else model.decode_rows_impl
+        # One graph captures one device's stream: a split model's step hands its streams across devices, so it runs
+        # as segments, one graph per run of layers on a GPU (segmented_decode.py).
+        self.segmented = None
         if graph and device.type == "cuda" and model.spans_devices:
-            # One graph captures one device's stream; a split model's step hands its streams across devices.
-            log.info("decode step runs eagerly: the model's layers span %s", model.placement.describe())
+            from .segmented_decode import SegmentedDecode
+            started = time.perf_counter()
+            with torch.cuda.device(device):
+                self.segmented = SegmentedDecode(model, states, self._inputs, self.rope, graphs=True)
+            self.capture_seconds = time.perf_counter() - started
+            log.info("decode step of a model over %s: %d segments, %d replayed from CUDA graphs (%.2f s)",
+                     model.placement.describe(), len(self.segmented.segments), self.segmented.graphs,
+                     self.capture_seconds)
         elif graph and device.type == "cuda":
             self._capture()
 
     def _run(self) -> torch.Tensor:
+        if self.segmented is not None:
+            return self.segmented.run()
         i = self._inputs
         with torch.inference_mode():
             return self._step(i["tokens"], i["positions"], i["active"], self.states, self.rope)

@@ -126,7 +126,7 @@ class Qwen4ExpForCausalLM(nn.Module):
             return None
         return tuple(torch.device(name) for name in self.placement.layers)
 
-    def _ops_on(self, index: int) -> TorchOps:
+    def ops_on(self, index: int) -> TorchOps:
         """The ops backend of layer `index`'s device (the target's where it is there)."""
         name = self.placement.layers[index]
         if name == self.placement.target:
@@ -148,7 +148,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         """Whether every device's backend computes a row's numbers independent of the row count (verify.py)."""
         if self.placement is None:
             return self.ops.rows_independent
-        return all(self._ops_on(i).rows_independent for i in range(len(self.model.layers))) and \
+        return all(self.ops_on(i).rows_independent for i in range(len(self.model.layers))) and \
             self.ops.rows_independent
 
     def new_state(self, capacity: int, device: torch.device | str | None = None) -> SequenceState:
@@ -303,8 +303,7 @@ class Qwen4ExpForCausalLM(nn.Module):
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`run` over several chunk steps of different sequences, layer by layer in step, so that each layer's
         MoE can take them all at once (ops.chunks_experts); one step runs its layers whole."""
-        hc = self.config.hc_count
-        streams = [self.ops.table_rows(self.model.embed_tokens, step.token_ids).repeat(1, hc) for step in steps]
+        streams = [self.embed(step) for step in steps]
         pending: list = [None] * len(steps)
         last = len(self.model.layers) - 1
         on_target, here = steps, None if self.placement is None else self.placement.target
@@ -315,7 +314,7 @@ class Qwen4ExpForCausalLM(nn.Module):
                 if here is not None and self.placement.layers[index] != here:      # a split model's boundary
                     here = self.placement.layers[index]
                     steps = on_target if here == self.placement.target else \
-                        [step.on(torch.device(here), self._ops_on(index), self.rope) for step in on_target]
+                        [step.on(torch.device(here), self.ops_on(index), self.rope) for step in on_target]
                     streams, pending = _hand_over(streams, pending, torch.device(here))
                     current.close()
                     current.enter_context(_current(here))
@@ -327,11 +326,25 @@ class Qwen4ExpForCausalLM(nn.Module):
                 steps = on_target
                 streams, pending = _hand_over(streams, pending, torch.device(self.placement.target))
                 current.close()
-            results = []
-            for stream, step, inject in zip(streams, steps, pending):
-                stream, hidden, _ = self.model.hyper_connection_mixer(stream, step, inject=inject)
-                results.append((hidden, stream))
+            results = [self.mix_out(stream, step, inject) for stream, step, inject in zip(streams, steps, pending)]
         return results
+
+    def embed(self, step: Step) -> torch.Tensor:
+        """The hyper-connection streams [T, hc*H] a step's layers start from: its tokens' embeddings, repeated."""
+        return self.ops.table_rows(self.model.embed_tokens, step.token_ids).repeat(1, self.config.hc_count)
+
+    def run_layers(self, first: int, last: int, streams: torch.Tensor, step: Step, pending
+                   ) -> tuple[torch.Tensor, tuple | None]:
+        """Layers first..last over one step whose inputs are on their device (a run of a split model's layers:
+        segmented_decode.py; that device current)."""
+        for layer in self.model.layers[first:last + 1]:
+            streams, pending = layer(streams, step, pending)
+        return streams, pending
+
+    def mix_out(self, streams: torch.Tensor, step: Step, pending) -> tuple[torch.Tensor, torch.Tensor]:
+        """After the last layer, on the target: (the mixed hidden rows [T, H] for the LM head, the streams)."""
+        streams, hidden, _ = self.model.hyper_connection_mixer(streams, step, inject=pending)
+        return hidden, streams
 
     def _layer(self, layer, streams: list, steps: list[Step], pending: list) -> tuple[list, list]:
         """One decoder layer over each step's streams (several steps: their MoE at once, ops.chunks_experts)."""
