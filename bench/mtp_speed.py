@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from qwen4exp.checkpoint.random_weights import random_model
-from qwen4exp.engine.decode_runner import capture_graph
+from qwen4exp.engine.cuda_graph import capture_graph
 from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.request import Request

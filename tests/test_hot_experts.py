@@ -75,9 +75,10 @@ def test_the_choice_is_each_layers_most_counted_experts():
     assert hot_experts.add_counts({5: [1, 2]}, {5: [3, 4], 6: [5, 6]}) == {5: [4, 6], 6: [5, 6]}
 
 
-def test_serving_counts_every_pair_routed_to_a_split_layer():
-    """Each token a split layer runs (prompt tokens, then every generated token but the last) routes top-k pairs;
-    the counts hold them all, and none of the layers on the target count."""
+def test_serving_counts_every_pair_a_split_layers_decode_steps_route():
+    """Each token a decode step feeds a split layer (every generated token but the last) routes top-k pairs; the
+    counts hold them all (the prompts' are not counted: chunks run where the layer is), and the layers on the
+    target count none."""
     model = _model()
     hot_experts.keep_hot(model, HOT)
     hot_experts.count_while_serving(model)
@@ -88,7 +89,7 @@ def test_serving_counts_every_pair_routed_to_a_split_layer():
     engine.run_until_idle()
     assert all(len(r.output_ids) == m for r, m in zip(requests, (6, 11, 3)))
     counts = hot_experts.read_counts(model, stop=True)
-    tokens = sum(len(r.prompt_ids) + len(r.output_ids) - 1 for r in requests)
+    tokens = sum(len(r.output_ids) - 1 for r in requests)
     assert sorted(counts) == [5, 6, 7]
     assert all(sum(row) == tokens * model.config.num_experts_per_tok for row in counts.values())
     assert model.model.layers[5].mlp.experts.counts is None and model.model.layers[0].mlp.experts.counts is None
@@ -183,8 +184,13 @@ for name, gate_up, down in (
     experts.hot = hot_experts.HotExperts((1, 4, 6), torch.device("cpu"), hot_experts._copy(gate_up, wanted, "cpu"),
                                          hot_experts._copy(down, wanted, "cpu"), slot_of)
     got = hot_experts.moe_rows(x, ids, weights, experts, flags, shared)
+    spoiled = experts.hot.gate_up.blocks if name != "dense" else experts.hot.gate_up
+    spoiled.zero_()            # the hot pairs read the copies: spoiling them changes the active rows with hot pairs
+    hot_rows = ((slot_of[ids] >= 0).any(-1) & flags.bool()).nonzero().flatten()
+    changed = hot_experts.moe_rows(x, ids, weights, experts, flags, shared)
     results[name] = {"equal": bool(torch.equal(got, want)), "some_hot": bool((slot_of[ids] >= 0).any()),
-                     "some_cold": bool((slot_of[ids] < 0).any())}
+                     "some_cold": bool((slot_of[ids] < 0).any()),
+                     "copies_read": bool(hot_rows.numel()) and not torch.equal(changed[hot_rows], want[hot_rows])}
 print(json.dumps(results))
 """
 
@@ -196,13 +202,14 @@ def test_the_kernels_hot_pairs_give_moe_rows_numbers_bit_for_bit():
     interpreter)."""
     results = interpreted_results(CHILD)
     for name, result in results.items():
-        assert result == {"equal": True, "some_hot": True, "some_cold": True}, name
+        assert result == {"equal": True, "some_hot": True, "some_cold": True, "copies_read": True}, name
 
 
 @pytest.mark.parametrize("level", ["release", "offload"])
 def test_the_worker_counts_while_serving_and_a_park_keeps_the_counts_for_the_next_choice(level, monkeypatch):
     """The first load chooses from a calibration prompt (run once) and counts from then on; a park keeps the counts
-    (and frees the copies); the unpark chooses from them, with the context fitted before."""
+    (and frees the copies); the unpark chooses from them. (A given placement and context: the fits beside a split
+    are tests/test_split.py's.)"""
     from qwen4exp.model_dir import EMBEDDED_MODEL
     from qwen4exp.server.messages import ParkLevel
     from qwen4exp.server.worker import Worker
@@ -211,8 +218,9 @@ def test_the_worker_counts_while_serving_and_a_park_keeps_the_counts_for_the_nex
     real = hot_experts.calibrate
     monkeypatch.setattr(hot_experts, "calibrate", lambda *args: calibrations.append(1) or real(*args))
 
-    config = EngineConfig(model=str(EMBEDDED_MODEL), device="cpu", dtype="float32", slots=2, chunk=64,
-                          device_memory_limit=52 << 20, split=(("cpu:1", 40 << 20),), hot_experts=2)
+    config = EngineConfig(model=str(EMBEDDED_MODEL), device="cpu", dtype="float32", slots=2, chunk=64, max_ctx=1024,
+                          split=(("cpu:1", None),), placement=Placement.with_split("cpu", 4, [("cpu:1", 2)]),
+                          hot_experts=2)
     worker = Worker(config, conn=None)
     info = worker.load()
     assert info["hot_experts"]["chosen_from"] == "calibration" and info["hot_experts"]["per_layer"] == 2
@@ -230,3 +238,23 @@ def test_the_worker_counts_while_serving_and_a_park_keeps_the_counts_for_the_nex
     assert again["context"] == info["context"] and again["hot_experts"]["chosen_from"] == "serving"
     assert again["hot_experts"]["layers"][str(last)] == [5, 6] and len(calibrations) == 1
     worker.park(ParkLevel.RELEASE)
+
+
+def test_layers_in_host_memory_beside_a_gpu_keep_no_hot_experts():
+    """Their torch forms compute every pair on both devices: copies would cost the GPU's memory for nothing. So
+    keep_hot skips them and the estimate counts none for a `cpu` split device."""
+    from dataclasses import replace
+
+    from qwen4exp.engine.fit_estimate import DeviceSize, estimate_plan, model_facts
+
+    model = _model()
+    assert sorted(hot_experts.hot_layers(model)) == [5, 6, 7]             # two names of the CPU: kept
+    model.placement = replace(model.placement, target="cuda:0")           # as beside a GPU target
+    assert hot_experts.hot_layers(model) == {} and hot_experts.keep_hot(model, HOT) == 0
+    facts = model_facts("full", "ud-q4_k_xl", "bfloat16")
+    target = DeviceSize("target", "target", "cuda", 24 << 30)
+    host = (DeviceSize("split", "cpu", "cpu", 128 << 30),)
+    plain = estimate_plan(facts, target, host, slots=4, chunk=4096, ple="host")
+    hot = estimate_plan(facts, target, host, slots=4, chunk=4096, ple="host", hot_experts=16)
+    assert hot.split.weights == plain.split.weights and hot.split.context == plain.split.context
+    assert not any(note.startswith("hot experts") for note in hot.notes)

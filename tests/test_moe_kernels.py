@@ -270,11 +270,17 @@ def check_a_chunks_form_follows_its_own_pairs():
     x = torch.randn(140, QH, generator=gen).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(140)])
     weights = torch.rand(140, K, generator=gen).softmax(-1).bfloat16()
-    together = moe.moe_grouped(x[:70], ids[:70], weights[:70], gate_up, down, form=small)
-    assert torch.equal(together[:20], moe.moe_grouped(x[:20], ids[:20], weights[:20], gate_up, down))
-    assert torch.equal(together[20:], moe.moe_grouped(x[20:70], ids[20:70], weights[20:70], gate_up, down))
-    full = moe.moe_grouped(x, ids, weights, gate_up, down)
-    assert torch.equal(full[70:], moe.moe_grouped(x[70:], ids[70:], weights[70:], gate_up, down))
+    row_blocks, real = [], moe.group_pairs_by_expert      # the row block each launch lays its pairs out in
+    moe.group_pairs_by_expert = lambda ids, experts, block_m: row_blocks.append(block_m) or real(ids, experts, block_m)
+    try:
+        together = moe.moe_grouped(x[:70], ids[:70], weights[:70], gate_up, down, form=small)
+        assert torch.equal(together[:20], moe.moe_grouped(x[:20], ids[:20], weights[:20], gate_up, down))
+        assert torch.equal(together[20:], moe.moe_grouped(x[20:70], ids[20:70], weights[20:70], gate_up, down))
+        full = moe.moe_grouped(x, ids, weights, gate_up, down)
+        assert torch.equal(full[70:], moe.moe_grouped(x[70:], ids[70:], weights[70:], gate_up, down))
+    finally:
+        moe.group_pairs_by_expert = real
+    assert row_blocks == [moe.SMALL_BLOCK_M] * 3 + [moe.GROUPED_BLOCK_M] * 2
 
 
 def check_block_stacks_keep_rows_independent():

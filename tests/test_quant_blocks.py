@@ -51,7 +51,7 @@ def test_q8_0_regrouped_by_256_holds_the_same_values_with_its_quants_aligned():
 
 
 def test_a_model_regroups_its_q8_0_weights_after_the_load_and_answers_the_same():
-    """Every Q8_0 stack with rows of whole 256-value groups is regrouped in place (quantized.regroup_q8_0); the
+    """Every Q8_0 stack with rows of whole 256-value groups is regrouped in place (model/regroup.py); the
     torch forms' logits are unchanged bit for bit."""
     from qwen4exp.checkpoint.gguf_loader import quantized_stacks
     from qwen4exp.checkpoint.gguf_writer import PlannedFile
@@ -59,7 +59,8 @@ def test_a_model_regroups_its_q8_0_weights_after_the_load_and_answers_the_same()
     from qwen4exp.checkpoint.random_weights import fill_random, fill_random_stacks
     from qwen4exp.engine.loading import build_model
     from qwen4exp.engine.model.config import ModelConfig
-    from qwen4exp.engine.model.quantized import QuantizedStack, regroup_q8_0
+    from qwen4exp.engine.model.quantized import QuantizedStack
+    from qwen4exp.engine.model.regroup import regroup_q8_0
 
     config = preset_config("tiny", dtype="float32")
     config["text_config"].update(hidden_size=256, ple_embed_dim=256, mtp_num_hidden_layers=0)

@@ -106,7 +106,7 @@ class StackPart:
 
     @property
     def file_qtype(self) -> str:
-        """The block type the file holds: a stack regrouped after its load (quantized.regroup_q8_0) came as Q8_0."""
+        """The block type the file holds: a stack regrouped after its load (engine/model/regroup.py) came as Q8_0."""
         return "Q8_0" if self.stack.qtype == "Q8_0_256" else self.stack.qtype
 
     def copy_blocks(self, raw: torch.Tensor, piece: gguf_layout.Piece) -> None:

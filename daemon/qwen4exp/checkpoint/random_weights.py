@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from ..engine.loading import DTYPES, build_model, resolve_device
 from ..engine.model.causal_lm import Qwen4ExpForCausalLM
 from ..engine.model.config import ModelConfig
-from ..engine.model.quantized import QuantizedStack, regroup_q8_0
+from ..engine.model.quantized import QuantizedStack
+from ..engine.model.regroup import regroup_q8_0
 from . import layout
 from .fp8_stacks import planned_fp8_stacks
 from .gguf_blocks import fill_random_blocks

@@ -133,8 +133,8 @@ def _policy_warnings(settings: Settings, sources: Mapping[str, str]) -> list[str
         out.append(f"{profile} holds {' and '.join(in_profile)} and every user can read it; chmod 600 it, or move "
                    f"the keys to an EnvironmentFile (QWEN4EXP_API_KEY, QWEN4EXP_ADMIN_KEY)")
     if settings.hot_experts and any(d.kind == "cpu" for d in settings.split_devices):
-        out.append(f"hot_experts = {settings.hot_experts}: layers on cpu run the torch forms, which compute every "
-                   f"pair on both devices to keep their numbers; hot experts speed up a GPU split device only")
+        out.append(f"hot_experts = {settings.hot_experts}: layers on cpu keep none (their torch forms would compute "
+                   f"every pair on both devices); only a GPU split device's layers do")
     if settings.hot_experts and not settings.split_devices:
         out.append(f"hot_experts = {settings.hot_experts} does nothing without a split device: every layer's experts "
                    f"are on the target already")

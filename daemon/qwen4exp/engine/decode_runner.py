@@ -15,27 +15,11 @@ import time
 import torch
 
 from .model.causal_lm import Qwen4ExpForCausalLM
+from .cuda_graph import capture_graph
+from .segmented_decode import SegmentedDecode
 from .state import StateBatch
-from .snapshot import quiesce_snapshot_copies
 
 log = logging.getLogger("qwen4exp.engine")
-
-
-def capture_graph(run, device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
-    """(a CUDA graph of run(), what the captured run returned): run twice on a side stream first, so that every
-    kernel is compiled and tuned outside the capture, and no snapshot copier allocating pinned memory during it.
-    `pool`: a memory pool shared with other graphs that never replay at the same time."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream(device).wait_stream(side)
-    quiesce_snapshot_copies()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = run()
-    return graph, out
 
 
 class LaunchedStep:
@@ -91,7 +75,6 @@ class DecodeRunner:
         # as segments, one graph per run of layers on a GPU (segmented_decode.py).
         self.segmented = None
         if graph and device.type == "cuda" and model.spans_devices:
-            from .segmented_decode import SegmentedDecode
             started = time.perf_counter()
             with torch.cuda.device(device):
                 self.segmented = SegmentedDecode(model, states, self._inputs, self.rope, graphs=True)

@@ -151,6 +151,9 @@ class EngineConfig:
         set_device_memory_limit(device, self.device_memory_limit)
         for name, limit in self.split:
             set_device_memory_limit(name, limit)
+        if self.hot_experts and self.split:     # before the load: a bad number fails in seconds, not minutes
+            from .loading import model_config
+            self.check_hot_experts(model_config(self.model).num_experts)
         placement, ple_on_host = self.placement, self.ple == "host"
         if self.split and placement is None:
             placement, ple_on_host = self.choose_placement(device)
@@ -165,16 +168,16 @@ class EngineConfig:
         split or with 0)."""
         from . import hot_experts
 
-        if not self.hot_experts or not hot_experts.split_experts(model):
+        if not self.hot_experts or not hot_experts.hot_layers(model):
             return
-        experts = model.config.num_experts
-        if self.hot_experts > experts:
-            raise ValueError(f"engine setting hot_experts ({self.hot_experts}) is more than the model's {experts} "
-                             f"experts a layer")
+        self.check_hot_experts(model.config.num_experts)
         source = "serving"
         if not counts or not any(any(row) for row in counts.values()):
-            from ..tokenizer import Tokenizer
-            tokenizer = Tokenizer.from_path(self.model) if self.model is not None else None
+            from ..tokenizer import Tokenizer, TokenizerError
+            try:
+                tokenizer = Tokenizer.from_path(self.model) if self.model is not None else None
+            except TokenizerError:          # a checkpoint without one: ids spread over the vocabulary instead
+                tokenizer = None
             ids = hot_experts.calibration_ids(tokenizer, model.config.vocab_size)
             counts, source = hot_experts.calibrate(model, ids, self.chunk), "calibration"
         hot_experts.keep_hot(model, hot_experts.choose(counts, self.hot_experts), source)
@@ -206,6 +209,11 @@ class EngineConfig:
         counts = [(name, fit.split_layers[name][1] - fit.split_layers[name][0] + 1 if name in fit.split_layers
                    else 0) for name, _ in self.split]
         return Placement.with_split(str(device), facts.cfg.num_hidden_layers, counts), fit.ple == "host"
+
+    def check_hot_experts(self, experts: int) -> None:
+        if self.hot_experts > experts:
+            raise ValueError(f"engine setting hot_experts ({self.hot_experts}) is more than the model's {experts} "
+                             f"experts a layer")
 
     def fit_settings(self, device) -> dict[str, Any]:
         """The context fit's inputs for this engine on `device`, the same for `serve` and `plan`: the slots, the

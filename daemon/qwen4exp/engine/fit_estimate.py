@@ -363,8 +363,8 @@ def estimate_plan(facts: ModelFacts, target: DeviceSize, splits: tuple[DeviceSiz
     backend = backend_for(target.kind, facts.dtype)
     on_device = target.kind == "cpu" if snapshots_on_device is None else snapshots_on_device
     trained, step, floor = _search_range(facts, max_ctx)
-    if isinstance(hot_experts, bool) or not isinstance(hot_experts, int) \
-            or not 0 <= hot_experts <= facts.cfg.num_experts:
+    if splits and (isinstance(hot_experts, bool) or not isinstance(hot_experts, int)
+                   or not 0 <= hot_experts <= facts.cfg.num_experts):
         raise EstimateError(f"hot_experts must be a whole number from 0 to the model's {facts.cfg.num_experts} "
                             f"experts, got {hot_experts!r}")
     est = Estimate(facts, backend, target, splits, slots, chunk, floor_chunk(chunk), headroom, on_device, ple,
@@ -390,7 +390,8 @@ def estimate_plan(facts: ModelFacts, target: DeviceSize, splits: tuple[DeviceSiz
     est.fit, est.tried = _decide(est, trained, step, floor, max_chunk, split=False)
     if splits:
         est.split, est.split_tried = _decide(est, trained, step, floor, max_chunk, split=True)
-        held = [i for first, last, _ in est.split.split_layers.values() for i in range(first, last + 1)]
+        held = [i for name, (first, last, _) in est.split.split_layers.items() for i in range(first, last + 1)
+                if any(d.name == name and d.kind != "cpu" for d in splits)]
         if hot_experts and held:
             est.notes.append(f"hot experts: {hot_experts} of each of the {len(held)} split layers' experts also on the "
                              f"target ({human_size(hot_experts * sum(facts.layer_experts[i] for i in held))}, in "
@@ -571,7 +572,9 @@ def split_inputs(facts: ModelFacts, splits: tuple[DeviceSize, ...], counts: tupl
     on_target = part(target)
     # The target's own bytes besides its layers (embedding, LM head, MTP head and its cache): the whole model's less
     # what the split devices hold.
-    hot = hot_experts * sum(facts.layer_experts[i] for i, name in enumerate(placement.layers) if name != target.name)
+    # Hot experts are kept for layers on a GPU (hot_experts.hot_layers), none for layers in host memory.
+    on_gpu = {device.name for device in splits if device.kind != "cpu"}
+    hot = hot_experts * sum(facts.layer_experts[i] for i, name in enumerate(placement.layers) if name in on_gpu)
     return replace(on_target, weights=facts.on_device(ple_on_host) - sum(p.weights for p in parts) + hot,
                    per_position=facts.per_position - sum(p.per_position for p in parts),
                    fixed=facts.fixed - sum(p.fixed for p in parts)), parts

@@ -13,10 +13,16 @@ kind) every number equals the one without hot experts (tests/test_hot_experts.py
 pair may round otherwise on the target; the hot set is fixed while a model is loaded, so a row's numbers still
 depend on that row alone (alone == together, warm == cold), and change only when a load picks other experts.
 
-Which experts: every split layer counts the pairs routed to each expert while serving (`count_while_serving`: a
-device tensor a layer, no host synchronisation). A load (start, unpark, restarted worker) keeps the N most
-counted of each layer, from the counts kept so far (the worker keeps them across park/unpark) or, where there
-are none yet, from a calibration prompt run when the model is loaded: text of the embedded tokenizer corpus.
+Which experts: every split layer counts the pairs its decode steps route to each expert while serving
+(`count_while_serving`: a device tensor a layer, no host synchronisation; prompt chunks, which run on the layer's
+device whatever is hot, are not counted). A load (start, unpark, restarted worker) keeps the N most counted of
+each layer, from the counts kept so far (the worker keeps them across park/unpark) or, where there are none yet,
+from a calibration prompt run when the model is loaded (its chunks counted): text of the embedded tokenizer corpus.
+
+Which layers: those on a GPU. Layers in host memory beside a GPU target keep none: the torch forms they run
+compute every pair on both devices at one shape (to keep their numbers), which would cost time and the target's
+memory for nothing. (Two names of the CPU, as the tests place layers, keep them: the torch forms are what the tests
+hold the kernels to.)
 """
 
 from __future__ import annotations
@@ -69,6 +75,13 @@ def split_experts(model) -> dict[int, Experts]:
             if name != model.placement.target and hasattr(layer.mlp, "experts")}
 
 
+def hot_layers(model) -> dict[int, Experts]:
+    """The split layers that keep hot experts (the module's text says which)."""
+    on_host_beside_gpu = model.placement is not None and torch.device(model.placement.target).type == "cuda"
+    return {index: experts for index, experts in split_experts(model).items()
+            if not (on_host_beside_gpu and experts.gate_up_proj.device.type == "cpu")}
+
+
 def choose(counts: dict[int, list[int]], per_layer: int) -> dict[int, tuple[int, ...]]:
     """Each layer's `per_layer` most counted experts (the lower id first among equal counts), ascending."""
     chosen = {}
@@ -82,10 +95,10 @@ def keep_hot(model, chosen: dict[int, tuple[int, ...]], chosen_from: str = "give
     """Copy each split layer's chosen experts to the target (replacing any kept before); their bytes."""
     drop_hot(model)
     target = torch.device(model.placement.target) if model.placement is not None else None
-    layers = split_experts(model)
+    layers = hot_layers(model)
     held = 0
     for index, ids in chosen.items():
-        if not ids:
+        if not ids or index not in layers:
             continue
         experts = layers[index]
         device = experts.gate_up_proj.device
@@ -108,11 +121,13 @@ def hot_bytes(model) -> int:
     return sum(e.hot.nbytes for e in split_experts(model).values() if e.hot is not None)
 
 
-def count_while_serving(model) -> None:
-    """Start counting each split layer's routed pairs (from zero)."""
-    for experts in split_experts(model).values():
+def count_while_serving(model, prompts: bool = False) -> None:
+    """Start counting the pairs each layer that keeps hot experts routes in decode steps (and prompt chunks with
+    `prompts`), from zero."""
+    for experts in hot_layers(model).values():
         experts.counts = torch.zeros(experts.gate_up_proj.shape[0], dtype=torch.long,
                                      device=experts.gate_up_proj.device)
+        experts.count_prompts = prompts
 
 
 def read_counts(model, stop: bool = False) -> dict[int, list[int]]:
@@ -123,7 +138,7 @@ def read_counts(model, stop: bool = False) -> dict[int, list[int]]:
         if experts.counts is not None:
             counts[index] = experts.counts.tolist()
             if stop:
-                experts.counts = None
+                experts.counts, experts.count_prompts = None, False
     return counts
 
 
@@ -150,7 +165,7 @@ def calibration_ids(tokenizer, vocab: int, tokens: int = CALIBRATION_TOKENS) -> 
 def calibrate(model, ids: torch.Tensor, chunk: int) -> dict[int, list[int]]:
     """The split layers' routing counts over the prompt `ids`, run in chunks of `chunk` tokens on a state of its
     own (freed after)."""
-    count_while_serving(model)
+    count_while_serving(model, prompts=True)
     try:
         device = torch.device(model.placement.target)
         state = model.new_state(ids.numel())

@@ -13,7 +13,8 @@ from ..checkpoint.loader import load_weights, read_config
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
 from .model.ple import NGramEmbedding
-from .model.quantized import QuantizedStack, keep_quantized, regroup_q8_0
+from .model.quantized import QuantizedStack, keep_quantized
+from .model.regroup import regroup_q8_0
 from .placement import Placement
 
 log = logging.getLogger("qwen4exp.engine")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .decode_runner import capture_graph
+from .cuda_graph import capture_graph
 from .model.step import Step
 
 
@@ -80,11 +80,15 @@ class SegmentedDecode:
                 segment.rope = tuple(t.to(segment.device) for t in rope)
         self.run()          # once eagerly: each hand-over's buffers take the shapes the segments give
         if graphs:
+            # A device's segments replay one after another, each one's outputs copied out before the next on its
+            # stream: their temporaries can share one pool, as the fit's one eager step does.
+            pools: dict[torch.device, object] = {}
             for segment in self.segments:
                 if segment.device.type == "cuda" and not self._keeps_hot_experts(segment):
+                    pool = pools.setdefault(segment.device, torch.cuda.graph_pool_handle())
                     with torch.cuda.device(segment.device):
                         segment.graph, segment.out = capture_graph(lambda s=segment: self._run_segment(s),
-                                                                   segment.device)
+                                                                   segment.device, pool)
 
     @property
     def graphs(self) -> int:

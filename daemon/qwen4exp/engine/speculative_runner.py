@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .decode_runner import capture_graph
+from .cuda_graph import capture_graph
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .state import StateBatch
 

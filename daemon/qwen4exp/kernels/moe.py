@@ -112,7 +112,9 @@ if triton is not None:
     from .expert_groups import tile_of, tile_pairs
     from .rounding import round_to, rounded, silu_mul
 
-    @triton.jit
+    # top_k is not specialized: engine/hot_experts.py runs pairs as rows of one slot each, which would make 1
+    # a binary of its own, built on a request's path.
+    @triton.jit(do_not_specialize=["top_k"])
     def _rows_gate_up_kernel(x_ptr, ids_ptr, active_ptr, w_ptr, h_ptr, hidden, inter, top_k,
                              INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -146,7 +148,7 @@ if triton is not None:
         h = silu_mul(tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1), h_ptr.dtype.element_ty, INTERPRETED)
         tl.store(h_ptr + pair.to(tl.int64) * inter + feat, h, mask=feat_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["top_k"])   # as the gate/up kernel's
     def _rows_down_kernel(h_ptr, ids_ptr, weights_ptr, active_ptr, w_ptr, y_ptr, hidden, inter, top_k,
                           HAS_ACTIVE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """y[pair, n] = weight[pair] * (down_n . h[pair]) in float32, for BLOCK_N output features."""

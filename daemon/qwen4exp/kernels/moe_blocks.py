@@ -42,7 +42,9 @@ if triton is not None:
     from .quant_tiles import LANES, weight_tile
     from .rounding import round_to, silu_mul
 
-    @triton.jit
+    # top_k is not specialized: engine/hot_experts.py runs pairs as rows of one slot each, which would make 1
+    # a binary of its own, built on a request's path.
+    @triton.jit(do_not_specialize=["top_k"])
     def _rows_gate_up_blocks_kernel(x_ptr, ids_ptr, active_ptr, w_ptr, grid_ptr, h_ptr, hidden, inter, top_k, row_bytes,
                                     QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
                                     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
@@ -76,7 +78,7 @@ if triton is not None:
                      INTERPRETED)
         tl.store(h_ptr + pair.to(tl.int64) * inter + feat, h, mask=feat < inter)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["top_k"])   # as the gate/up kernel's
     def _rows_down_blocks_kernel(h_ptr, ids_ptr, weights_ptr, active_ptr, w_ptr, grid_ptr, y_ptr, hidden, inter, top_k,
                                  row_bytes, QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
                                  BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):

@@ -26,7 +26,7 @@ from .guard import interpreted, tl, triton
 # (values per block, bytes per block) of each block type. FP8_B32 and FP8_B128 are ours, for Qwen's FP8 checkpoint
 # (checkpoint/fp8.py): a float32 scale (little-endian), then 32 or 128 float8 e4m3 values, each value = scale x it.
 # Q8_0_256 is ours too: eight Q8_0 blocks regrouped as one (their eight float16 scales, then their 256 int8 quants)
-# where a row holds whole groups of 256 (engine/model/quantized.regroup_q8_0, after a load): the same bytes and
+# where a row holds whole groups of 256 (engine/model/regroup.py, after a load): the same bytes and
 # values, but each group's quants start 16-byte aligned, where a Q8_0 block's sit at 2 bytes past a 34-byte stride,
 # so the kernels load them in 16-byte vectors.
 LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),

@@ -23,7 +23,8 @@ from ..state import SequenceState, StateBatch
 from .causal_lm import Qwen4ExpForCausalLM
 from .config import ModelConfig
 from .ops import TorchOps
-from .quantized import keep_quantized, regroup_q8_0
+from .quantized import keep_quantized
+from .regroup import regroup_q8_0
 from .triton_ops import TritonOps
 
 CHUNKS = (1, 37, 512, 1024, 2048, 4096)   # a prompt's last chunk may have any length; whole chunks 512-4096

@@ -54,9 +54,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
         # A split layer's (engine/hot_experts.py), neither a parameter nor a buffer: they stay where they are put
         # when the module moves. `hot`: copies of its most routed experts on the target; `counts`: pairs routed to
-        # each expert while serving, int64 [E] on the layer's device.
+        # each expert by decode steps (prompt chunks too while `count_prompts`), int64 [E] on the layer's device.
         self.hot = None
         self.counts: torch.Tensor | None = None
+        self.count_prompts = False
 
 
 def experts_per_row(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
@@ -126,7 +127,7 @@ class SparseMoeBlock(SharedInputProjections):
         expert's output, its gate logit)). Everything up to the routed experts, which ops.experts runs."""
         router_logits, swiglu_gate, swiglu_up, shared_gate_logit = self.project_input(x, step)
         ids, weights = self.gate(x, router_logits, step)
-        if self.experts.counts is not None:
+        if self.experts.counts is not None and (step.decode or self.experts.count_prompts):
             count_pairs(self.experts.counts, ids, step.flags)
         shared = self.shared_expert(swiglu_gate, swiglu_up, step)
         return x, ids, weights, (shared, shared_gate_logit)
