@@ -27,10 +27,12 @@ hold the kernels to.)
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
+from ..kernels import moe as kernels
 from .model.moe import Experts, pair_outputs, sum_slots
 from .model.quantized import QuantizedStack
 
@@ -61,7 +63,8 @@ def _bytes(stack) -> int:
 def _copy(stack, ids: torch.Tensor, target: torch.device):
     """The entries `ids` of an expert stack, on `target`, in the stack's own form (blocks stay blocks)."""
     if isinstance(stack, QuantizedStack):
-        copy = QuantizedStack(stack.qtype, (len(ids), *stack.shape[1:]), stack.dtype)
+        with torch.device("meta"):            # its blocks are the copy below
+            copy = QuantizedStack(stack.qtype, (len(ids), *stack.shape[1:]), stack.dtype)
         copy.blocks = stack.blocks.index_select(0, ids.to(stack.blocks.device)).to(target)
         return copy
     return stack.detach().index_select(0, ids.to(stack.device)).to(target)
@@ -177,8 +180,7 @@ def calibrate(model, ids: torch.Tensor, chunk: int) -> dict[int, list[int]]:
 
 
 # ---- the decode step's experts with hot copies ------------------------------------------------------------------
-def _on_target_pairs(x: torch.Tensor, ids: torch.Tensor, hot: HotExperts) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                    torch.Tensor]:
+def _pairs(x: torch.Tensor, ids: torch.Tensor, hot: HotExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(each pair's row of x, its expert's index among the hot ones (0 for the others), which pairs are hot) on the
     layer's device."""
     slot = hot.slot_of[ids.reshape(-1)]
@@ -190,7 +192,7 @@ def experts_per_row(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
     """The torch form (model/moe.experts_per_row) with the hot pairs' products taken from the target: every pair on
     both devices at the same shape, the hot ones' outputs kept from the target."""
     hot = experts.hot
-    inputs, slot, is_hot = _on_target_pairs(x, ids, hot)
+    inputs, slot, is_hot = _pairs(x, ids, hot)
     here = pair_outputs(inputs, ids.reshape(-1), experts.gate_up_proj, experts.down_proj)
     there = pair_outputs(inputs.to(hot.target), slot.to(hot.target), hot.gate_up, hot.down).to(x.device)
     return sum_slots(torch.where(is_hot.unsqueeze(-1), there, here), weights, active)
@@ -201,10 +203,8 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts:
     """kernels/moe.moe_rows with the hot pairs' products on the target: each pair a row of its own (one slot), the
     hot ones launched there first, the others here without waiting for them; their float32 outputs meet here for
     the slot sum."""
-    from ..kernels import moe as kernels
-
     hot, top_k = experts.hot, ids.shape[1]
-    inputs, slot, is_hot = _on_target_pairs(x, ids, hot)
+    inputs, slot, is_hot = _pairs(x, ids, hot)
     pair_flags = torch.ones_like(is_hot) if flags is None else flags.bool().repeat_interleave(top_k)
     pair_weights = weights.reshape(-1, 1)
     with _current(hot.target):
@@ -218,7 +218,6 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts:
 
 
 def _current(device: torch.device):
-    import contextlib
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
