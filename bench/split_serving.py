@@ -1,7 +1,7 @@
 """Split serving on two devices, the seed's R9700 + Strix Halo layout emulated (issue 22's measured run).
 
     python bench/split_serving.py --target cuda:0 --target-limit 32GiB --split cuda:1 [--split-limit none] \
-        --preset full --quant ud-q4_k_xl --out results.json
+        --preset full --quant ud-q4_k_xl [--hot-experts 16] --out results.json
 
 On nvidia-h200-x2: cuda:0 capped at 32 GiB stands in for the R9700 (the target), cuda:1 for the iGPU. The model is
 built in place with random weights (the full model at UD-Q4_K_XL without its 104 GiB file), its layers placed as
@@ -28,6 +28,7 @@ import torch
 
 from qwen4exp.checkpoint.random_weights import random_model
 from qwen4exp.config.sizes import parse_optional_size
+from qwen4exp.engine import hot_experts
 from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.engine_config import EngineConfig
 from qwen4exp.engine.fit_estimate import model_facts
@@ -61,6 +62,8 @@ def main() -> int:
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--chunk", type=int, default=512, help="the seed's profile's chunk")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--hot-experts", type=int, default=0, help="the profile key: each split layer's most routed "
+                   "experts also on the target (chosen from a calibration prompt)")
     p.add_argument("--long", type=int, default=LONG)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -68,7 +71,8 @@ def main() -> int:
     target = torch.device(args.target)
     config = EngineConfig(model=None, device=args.target, dtype="bfloat16", slots=args.slots, max_ctx="auto",
                           chunk=args.chunk, device_memory_limit=parse_optional_size(args.target_limit),
-                          split=((args.split, parse_optional_size(args.split_limit)),), prefix_cache=True)
+                          split=((args.split, parse_optional_size(args.split_limit)),), prefix_cache=True,
+                          hot_experts=args.hot_experts)
     set_device_memory_limit(target, config.device_memory_limit)
     set_device_memory_limit(args.split, config.split[0][1])
     facts = model_facts(args.preset, args.quant, "bfloat16", args.layers)
@@ -76,6 +80,7 @@ def main() -> int:
     placement, ple_on_host = config.choose_placement(target, facts)
     model = random_model(args.preset, args.layers, dtype=torch.bfloat16, device=target, quant=args.quant,
                          placement=placement, ple_on_host=ple_on_host)
+    config.keep_hot_experts(model)             # as a load does (EngineConfig.load_model), before the fit
     built = time.perf_counter() - started
     choice = config.resolve_context(model, target)
     fit = choice.fit
@@ -93,6 +98,10 @@ def main() -> int:
     engine = Engine.from_config(model, config, context=choice.context,
                                 prefix_cache=config.new_prefix_cache(model, target))
     engine.warm_up()
+    segmented = engine.decoder.segmented
+    result["decode_segments"] = None if segmented is None else {"segments": len(segmented.segments),
+                                                                 "from_graphs": segmented.graphs}
+    result["hot_experts"] = hot_experts.describe(model)
 
     shorts = [Request(prompt_ids=_prompt(SHORT, seed), max_tokens=args.new_tokens) for seed in range(4)]
     begin = time.perf_counter()
@@ -123,7 +132,8 @@ def main() -> int:
         "short_generated": [len(r.output_ids) for r in beside], "errors": [r.error for r in (long, *beside) if r.error],
         "target_least_free_bytes": min(free) if free else None, "seconds": round(time.perf_counter() - begin, 3)}
     Path(args.out).write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: result[k] for k in ("context", "placement", "four_short", "long_beside_three")}, indent=2))
+    print(json.dumps({k: result[k] for k in ("context", "placement", "decode_segments", "four_short",
+                                             "long_beside_three")}, indent=2))
     return 0
 
 
