@@ -265,7 +265,9 @@ def test_layers_go_to_the_split_device_only_when_the_target_falls_short():
     _, model = roomy.load_model()
     assert model.placement is None
     assert roomy.as_loaded(model).placement == Placement.single("cpu", model.config.num_hidden_layers)
-    tight = _config(52 * MiB, 40 * MiB, prefix_cache=True)
+    # 5% headroom: the measured fit's chunk workspace (the resident set's peak on the CPU, PeakMeter) read up to
+    # 5 MiB more in the full suite's process than alone, past 10% headroom's margin at this budget.
+    tight = _config(52 * MiB, 40 * MiB, prefix_cache=True, headroom=0.05)
     device, model = tight.load_model()
     assert model.placement is not None and model.placement.split_layers()["cpu:1"][1] == 3
     choice = tight.resolve_context(model, device)
