@@ -27,12 +27,12 @@ hold the kernels to.)
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels import moe as kernels
+from .memory import current_device
 from .model.moe import Experts, pair_outputs, sum_slots
 from .model.quantized import QuantizedStack
 
@@ -207,7 +207,7 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts:
     inputs, slot, is_hot = _pairs(x, ids, hot)
     pair_flags = torch.ones_like(is_hot) if flags is None else flags.bool().repeat_interleave(top_k)
     pair_weights = weights.reshape(-1, 1)
-    with _current(hot.target):
+    with current_device(hot.target):
         there = kernels.pair_outputs(inputs.to(hot.target), slot.unsqueeze(-1).to(hot.target),
                                      pair_weights.to(hot.target), hot.gate_up, hot.down,
                                      (pair_flags & is_hot).to(torch.uint8).to(hot.target))
@@ -216,9 +216,6 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts:
     y = torch.where(is_hot.unsqueeze(-1), there.to(x.device), here)
     return kernels.combine_slots(y, flags, top_k, x.dtype, shared)
 
-
-def _current(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def describe(model) -> dict | None:

@@ -10,6 +10,7 @@ the process's resident set (VmHWM), which is noisy; see `PeakMeter`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 from collections.abc import Callable, Sequence
@@ -212,3 +213,10 @@ class PeakMeter:
         else:
             self.peak_total = _proc_status_kib("VmHWM") * 1024
             self.peak = max(self.peak_total - self.start, 0)
+
+
+def current_device(name: str | torch.device | None) -> contextlib.AbstractContextManager:
+    """A GPU named by a split model's placement as the current device while a run of layers is there (nothing for
+    the CPU, or for a model on one device: None)."""
+    device = None if name is None else torch.device(name)
+    return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()

@@ -17,12 +17,12 @@ them beside layers in host memory).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from .cuda_graph import capture_graph
+from .memory import current_device
 from .model.step import Step
 
 
@@ -40,9 +40,6 @@ class Segment:
     graph: torch.cuda.CUDAGraph | None = None
     out: object = None                        # the graph's outputs
 
-
-def _current(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def plan_segments(model) -> list[Segment]:
@@ -129,7 +126,7 @@ class SegmentedDecode:
     def _run_segment(self, segment: Segment):
         """The segment's work over its static inputs: (streams, pending) for the next, or the logits."""
         model = self.model
-        with _current(segment.device):
+        with current_device(segment.device):
             ops = model.ops if segment.device == self.target else model.ops_on(segment.first)
             inputs = segment.inputs
             step = Step.rows(ops, inputs["tokens"], inputs["positions"].clamp(0, self.states.capacity - 1),

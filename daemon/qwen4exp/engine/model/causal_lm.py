@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..memory import current_device
 from ..placement import Placement
 from ..state import SequenceState, StateBatch
 from .config import ModelConfig
@@ -57,13 +58,6 @@ def _hand_over(streams: list[torch.Tensor], pending: list, device: torch.device)
             [None if part is None else tuple(t.to(device) for t in part) for part in pending])
 
 
-def _current(name: str | None) -> contextlib.AbstractContextManager:
-    """A GPU named by a split model's placement as the current device while a run of layers is there (nothing for
-    the CPU, or for a model on one device: None)."""
-    device = None if name is None else torch.device(name)
-    return torch.cuda.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
-
-
 def _on_target(method):
     """A split model's forward with its target as the current device throughout (the embedding, the LM head and
     the MTP head launch there too), whatever device the calling thread has."""
@@ -71,7 +65,7 @@ def _on_target(method):
     def run(self, *args, **kwargs):
         if self.placement is None:
             return method(self, *args, **kwargs)
-        with _current(self.placement.target):
+        with current_device(self.placement.target):
             return method(self, *args, **kwargs)
     return run
 
@@ -309,7 +303,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         on_target, here = steps, None if self.placement is None else self.placement.target
         # A split model's GPU layers run with their GPU as the current device (Triton launches there), the rest with
         # the target as the current device.
-        with _current(here), contextlib.ExitStack() as current:
+        with current_device(here), contextlib.ExitStack() as current:
             for index, layer in enumerate(self.model.layers):
                 if here is not None and self.placement.layers[index] != here:      # a split model's boundary
                     here = self.placement.layers[index]
@@ -317,10 +311,10 @@ class Qwen4ExpForCausalLM(nn.Module):
                         [step.on(torch.device(here), self.ops_on(index), self.rope) for step in on_target]
                     streams, pending = _hand_over(streams, pending, torch.device(here))
                     current.close()
-                    current.enter_context(_current(here))
+                    current.enter_context(current_device(here))
                 streams, pending = self._layer(layer, streams, steps, pending)
                 if between_layers is not None and index < last:
-                    with _current(None if here is None else self.placement.target):
+                    with current_device(None if here is None else self.placement.target):
                         between_layers()
             if steps is not on_target:          # back to the target for the mixer and the LM head
                 steps = on_target
