@@ -26,7 +26,7 @@ PROMPT = [5, 77, 300, 12, 9, 41, 600, 2, 18, 250, 7, 3, 999, 64, 33, 1, 90, 800,
 
 def _twin(fp8_dir, out):
     """The float32 checkpoint of an FP8 one's dequantized values, computed here block by block in numpy (not by the
-    loader's code): value x the scale of its block, or x the table's one scale."""
+    loader's code): value x the scale of its block, or x the table's one scale (`<table>.weight_scale`)."""
     config = json.loads((fp8_dir / "config.json").read_text())
     block = config.pop("quantization_config")["weight_block_size"]
     tensors = {}
@@ -36,7 +36,7 @@ def _twin(fp8_dir, out):
                 tensors[name] = f.get_tensor(name)
     twin = {}
     for name, tensor in tensors.items():
-        if name.endswith("_scale_inv"):
+        if name.endswith(("_scale_inv", ".weight_scale")):
             continue
         if tensor.dtype != torch.float8_e4m3fn:
             twin[name] = tensor
@@ -44,7 +44,7 @@ def _twin(fp8_dir, out):
         values = tensor.to(torch.float32).numpy()
         scale = tensors.get(name + "_scale_inv")
         if scale is None:                                          # a PLE shard: the table's one scale
-            scale = tensors[name.rsplit(".shard_", 1)[0] + ".weight_scale_inv"]
+            scale = tensors[name.rsplit(".shard_", 1)[0] + ".weight_scale"]
         scale = scale.to(torch.float32).numpy()
         out_values = np.empty_like(values)
         if scale.size == 1:
@@ -114,6 +114,7 @@ def fp8_dir(tmp_path):
 
 
 EXPERT = "model.language_model.layers.0.mlp.experts.3.down_proj.weight"
+TABLE = "model.language_model.layers.1.ple.ple_embedding.ngram_embedding.weight"
 
 
 @pytest.mark.parametrize("change, message", [
@@ -122,7 +123,11 @@ EXPERT = "model.language_model.layers.0.mlp.experts.3.down_proj.weight"
      rf"{EXPERT}_scale_inv has shape \[1, 1\]; {EXPERT} \[64, 32\] in blocks of \[24, 40\] needs \[3, 1\]"),
     (lambda t: t.__setitem__("model.language_model.layers.0.linear_attn.out_proj.weight_scale_inv", torch.ones(1)),
      r"linear_attn\.out_proj\.weight_scale_inv \(model\.safetensors: scales no float8 weight\)"),
-], ids=["no-scale", "scale-of-the-wrong-shape", "a-scale-without-a-float8-weight"])
+    (lambda t: t.__setitem__(EXPERT + "_scale", torch.ones(1)),        # only the PLE table's scale is a weight_scale
+     rf"{EXPERT}_scale \(model\.safetensors: scales no float8 weight\)"),
+    (lambda t: t.pop(TABLE + "_scale"), rf"float8 tensor .*shard_\d\.weight has no {TABLE}_scale"),
+], ids=["no-scale", "scale-of-the-wrong-shape", "a-scale-without-a-float8-weight", "a-weight-scale-not-the-tables",
+        "no-table-scale"])
 def test_what_the_layout_gets_wrong_is_named(fp8_dir, change, message):
     _rewrite(fp8_dir, change)
     with pytest.raises(CheckpointError, match=message):
@@ -145,20 +150,47 @@ def test_a_quantization_config_it_does_not_read_is_named_by_key(fp8_dir, edit, m
         load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False)
 
 
-def test_a_ple_scale_beside_each_shard_reads_as_the_tables_one(fp8_dir, tmp_path):
-    """Where the file keeps the table's one scale beside every shard instead of beside the table's name."""
+@pytest.mark.parametrize("beside_each_shard", [False, True], ids=["inv-beside-the-table", "inv-beside-each-shard"])
+def test_a_ple_scale_inv_reads_as_the_tables_one(fp8_dir, beside_each_shard):
+    """Where the file keeps the table's one scale as a `weight_scale_inv` (beside the table's name or beside every
+    shard) instead of the published `<table>.weight_scale`."""
     before = load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False).state_dict()
 
     def move(tensors):
-        [table] = [name for name in tensors if name.endswith("ngram_embedding.weight_scale_inv")]
-        scale = tensors.pop(table)
-        base = table[:-len(".weight_scale_inv")]
-        for name in [n for n in tensors if n.startswith(base + ".shard_") and n.endswith(".weight")]:
+        scale = tensors.pop(TABLE + "_scale")
+        shards = [n for n in tensors if n.startswith(TABLE.removesuffix("weight") + "shard_")]
+        for name in shards if beside_each_shard else [TABLE]:
             tensors[name + "_scale_inv"] = scale.clone()
 
     _rewrite(fp8_dir, move)
     after = load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False).state_dict()
     assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+
+
+def test_transformers_reads_our_fp8_checkpoint_as_we_do(tmp_path):
+    """transformers' FP8 quantizer (on the CPU it dequantizes, with accelerate) reads the published layout: the PLE
+    table stays a float8 embedding, as modules_to_convert asks, scaled by `<table>.weight_scale` into our table; the
+    logits agree within tests/test_model_parity.py's tolerance (its float32 checkpoints differ as much: the two
+    models' sums are ordered differently), and the greedy tokens are the same."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from test_model_parity import TOL
+
+    fp8_dir = write_random_checkpoint(tmp_path / "fp8", preset="tiny", seed=4, dtype=torch.float32, progress=False,
+                                      fp8_block=(128, 128))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32).eval()
+    ours = load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False)
+    table, our_table = (m.model.layers[1].ple.ple_embedding.ngram_embedding for m in (reference, ours))
+    assert table.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(table.weight.float() * table.weight_scale, our_table.weight)
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        expected = reference(ids[None]).logits[0]
+        greedy = reference.generate(ids[None], max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)
+    got = ours(ids, SequenceState(ours.config, 64, "cpu", torch.float32), all_logits=True)
+    assert (got - expected).abs().max().item() < TOL
+    assert generate(ours, PROMPT, 8).output_ids == greedy[0, len(PROMPT):].tolist()
 
 
 def test_init_checkpoint_writes_fp8_and_generate_serves_it(tmp_path, capsys):

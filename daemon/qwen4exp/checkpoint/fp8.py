@@ -3,8 +3,10 @@
 `{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
 "modules_to_not_convert": [...]}`: each weight stored in float8 e4m3 has beside it `<module>.weight_scale_inv`, one
 scale per [128, 128] block of the weight ([ceil(out/128), ceil(in/128)], float32 or bfloat16), and its values are
-W = W_fp8 x scale_inv, block by block. The PLE table is float8 shards with one global scale (a one-element
-`weight_scale_inv`; where it sits is read from the file: beside each shard, or beside the table's name).
+W = W_fp8 x scale_inv, block by block. The PLE table is float8 shards with one global scale (one element, value =
+fp8 x scale), published as `<table>.weight_scale`, the parameter of the FP8 embedding that transformers swaps in for
+the modules the config's `"modules_to_convert": ["ple.ple_embedding.ngram_embedding"]` names. A one-element
+`weight_scale_inv` beside the table's name or beside each shard reads as that scale too.
 
 The loader (loader.py) pairs each float8 weight with its scale. The routed experts and the PLE table, most of the
 model's bytes, stay float8 where their widths allow (`kept_type`): as our block types FP8_B128 / FP8_B32
@@ -24,6 +26,7 @@ import torch
 from .errors import CheckpointError
 
 SCALE_SUFFIX = "_scale_inv"          # "<name>.weight" -> "<name>.weight_scale_inv"
+TABLE_SCALE_SUFFIX = "_scale"        # the PLE table's one scale: "<table>.weight" -> "<table>.weight_scale"
 FLOAT8 = torch.float8_e4m3fn
 FLOAT8_MAX = 448.0                   # the largest finite e4m3 value
 
@@ -32,9 +35,24 @@ def scale_name(weight_name: str) -> str:
     return weight_name + SCALE_SUFFIX
 
 
-def weight_name(scale: str) -> str | None:
-    """The weight a `..._scale_inv` tensor scales, or None for another name."""
-    return scale[:-len(SCALE_SUFFIX)] if scale.endswith(".weight" + SCALE_SUFFIX) else None
+def is_scale(name: str) -> bool:
+    """Whether a tensor's name is a scale's (of any weight: which one it scales is the loader's to find)."""
+    return name.endswith((".weight" + SCALE_SUFFIX, ".weight" + TABLE_SCALE_SUFFIX))
+
+
+def _ple_table(shard: str) -> str:
+    return shard.rsplit(".shard_", 1)[0] + ".weight"
+
+
+def ple_scale_name(shard: str) -> str:
+    """The published name of the PLE table's one scale, from any of its shards' names: `<table>.weight_scale`."""
+    return _ple_table(shard) + TABLE_SCALE_SUFFIX
+
+
+def ple_scale_names(shard: str) -> tuple[str, ...]:
+    """Where a PLE shard's one scale may sit, in the order looked for: as published, or as a `weight_scale_inv`
+    beside the table's name or beside the shard."""
+    return ple_scale_name(shard), scale_name(_ple_table(shard)), scale_name(shard)
 
 
 def block_size(config: dict[str, Any], where: str) -> tuple[int, int] | None:
@@ -70,7 +88,7 @@ def value_scales(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, 
     the one global scale (block None), broadcastable to the weight."""
     if block is None:
         if scale.numel() != 1:
-            raise CheckpointError(f"{name}{SCALE_SUFFIX} has shape {list(scale.shape)}; the PLE table's float8 "
+            raise CheckpointError(f"the scale of {name} has shape {list(scale.shape)}; the PLE table's float8 "
                                   f"shards take one global scale")
         return scale.to(torch.float32).reshape(())
     rows, cols = shape

@@ -167,13 +167,10 @@ def _shape_error(file: Path, name: str, expected: tuple[int, ...], got: tuple[in
     return CheckpointError(f"{file}: tensor {name} has shape {list(got)}, the model expects {list(expected)}")
 
 
-def _scales(headers: dict, block: tuple[int, int] | None) -> dict[str, tuple[Path, str]]:
-    """{weight name: (file, name of its scales)} of an FP8 checkpoint (the scales leave `headers`); float8 tensors
-    elsewhere are refused."""
-    scales = {}
-    for name in [n for n in headers if fp8.weight_name(n) is not None]:
-        file, _, _ = headers.pop(name)
-        scales[fp8.weight_name(name)] = (file, name)
+def _scales(headers: dict, block: tuple[int, int] | None) -> dict[str, Path]:
+    """{scale name: file} of an FP8 checkpoint (the scales leave `headers`, so that one no weight takes is named as
+    such); float8 tensors elsewhere are refused."""
+    scales = {name: headers.pop(name)[0] for name in [n for n in headers if fp8.is_scale(n)]}
     if block is None:
         floats8 = [name for name, (_, _, dtype) in headers.items() if dtype.startswith("F8")]
         if floats8 or scales:
@@ -183,13 +180,14 @@ def _scales(headers: dict, block: tuple[int, int] | None) -> dict[str, tuple[Pat
 
 
 def _scale_for(name: str, ref: layout.DiskRef, scales: dict, used: set) -> tuple[Path, str] | None:
-    """A float8 weight's scales: its own, or for a PLE shard the table's one global scale."""
-    own = scales.get(name)
-    if own is None and ref.kind == "ple_shard":
-        own = scales.get(name.rsplit(".shard_", 1)[0] + ".weight")
-    if own is not None:
-        used.add(own[1])
-    return own
+    """A float8 weight's scales (file, name): its own block scales, or for a PLE shard the table's one global scale
+    (fp8.ple_scale_names)."""
+    names = fp8.ple_scale_names(name) if ref.kind == "ple_shard" else (fp8.scale_name(name),)
+    found = next((scale for scale in names if scale in scales), None)
+    if found is None:
+        return None
+    used.add(found)
+    return scales[found], found
 
 
 def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple[int, int] | None = None,
@@ -221,8 +219,8 @@ def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple
             continue
         scale = _scale_for(name, ref, scales, used) if dtype.startswith("F8") else None
         if dtype.startswith("F8") and scale is None:
-            raise CheckpointError(f"{file}: float8 tensor {name} has no {fp8.scale_name(name)} (nor, for a PLE "
-                                  f"shard, one beside its table)")
+            wanted = fp8.ple_scale_name(name) if ref.kind == "ple_shard" else fp8.scale_name(name)
+            raise CheckpointError(f"{file}: float8 tensor {name} has no {wanted}")
         qtype = stack.qtype if stack is not None else None
         if ref.kind == "ple_shard":
             plan.ple[ref.target][ref.number] = (file, name, shape, nbytes, scale, qtype)
@@ -240,7 +238,7 @@ def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple
     for target, shards in plan.ple.items():
         stack = kept.get(target.removesuffix(".blocks"))
         _plan_ple(plan, target, shards, tuple(stack.shape if stack is not None else targets[target].shape))
-    plan.unexpected += [f"{scale} ({file.name}: scales no float8 weight)" for file, scale in scales.values()
+    plan.unexpected += [f"{scale} ({file.name}: scales no float8 weight)" for scale, file in scales.items()
                         if scale not in used]
     return plan
 

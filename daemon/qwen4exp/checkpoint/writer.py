@@ -71,13 +71,15 @@ def _draw(spec: layout.TensorSpec, piece: layout.Piece, seed: int, dtype: torch.
 
 
 # The weights Qwen's FP8 checkpoint stores in float8 (fp8.py), by their runtime names' ends: the routed experts (the
-# MTP layer's too), the shared expert and the attention projections; the PLE table with one global scale. The rest
+# MTP layer's too), the shared expert and the attention projections; the PLE table with one global scale, the module
+# that modules_to_convert names (transformers keeps it an FP8 embedding that scales the rows it gathers). The rest
 # stays in the checkpoint's dtype, as its modules_to_not_convert lists.
 FP8_WEIGHTS = (".experts.gate_up_proj", ".experts.down_proj", ".shared_expert.gate_proj.weight",
                ".shared_expert.up_proj.weight", ".shared_expert.down_proj.weight", ".self_attn.q_proj.weight",
                ".self_attn.k_proj.weight", ".self_attn.v_proj.weight", ".self_attn.o_proj.weight")
 FP8_NOT_CONVERTED = ["linear_attn", "hyper_connection", "indexer", "mlp.gate", "shared_expert_gate", "ple.key_proj",
                      "ple.value_proj", "mtp.fc_", "lm_head", "embed_tokens"]
+FP8_CONVERTED_TABLES = ["ple.ple_embedding.ngram_embedding"]
 # The PLE table's one scale: the writer's embeddings are N(0, 1), so |x| <= 8 covers every draw.
 PLE_FP8_SCALE = 8.0 / fp8.FLOAT8_MAX
 
@@ -105,8 +107,8 @@ def _entries(spec: layout.TensorSpec, piece: layout.Piece, dtype: torch.dtype, f
     if kind == "blocks":
         rows, cols = piece.shape
         out[fp8.scale_name(piece.disk)] = (scale_dtype, (-(-rows // fp8_block[0]), -(-cols // fp8_block[1])))
-    elif piece.disk.endswith(".shard_0.weight"):        # the table's one scale, written once beside its name
-        out[fp8.scale_name(piece.disk.rsplit(".shard_", 1)[0] + ".weight")] = (scale_dtype, (1,))
+    elif piece.disk.endswith(".shard_0.weight"):        # the table's one scale, written once under its published name
+        out[fp8.ple_scale_name(piece.disk)] = (scale_dtype, (1,))
     return out
 
 
@@ -172,7 +174,8 @@ def write_random_checkpoint(
     if fp8_block is not None:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": list(fp8_block),
-                                         "modules_to_not_convert": FP8_NOT_CONVERTED}
+                                         "modules_to_not_convert": FP8_NOT_CONVERTED,
+                                         "modules_to_convert": FP8_CONVERTED_TABLES}
 
     def entries(spec, piece):
         return _entries(spec, piece, dtype, fp8_block, scale_dtype)
