@@ -193,6 +193,21 @@ def test_transformers_reads_our_fp8_checkpoint_as_we_do(tmp_path):
     assert generate(ours, PROMPT, 8).output_ids == greedy[0, len(PROMPT):].tolist()
 
 
+def test_a_float8_vision_weight_is_skipped_with_its_scales(fp8_dir):
+    """The vision tower is not served: a float8 weight of it and its block scales are passed over together, not
+    named as scales of nothing."""
+    before = load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False).state_dict()
+    visual = "model.visual.blocks.0.attn.qkv.weight"
+
+    def add_vision(tensors):
+        tensors[visual] = torch.zeros(48, 40).to(torch.float8_e4m3fn)
+        tensors[visual + "_scale_inv"] = torch.ones(2, 1)
+
+    _rewrite(fp8_dir, add_vision)
+    after = load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False).state_dict()
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+
+
 def test_init_checkpoint_writes_fp8_and_generate_serves_it(tmp_path, capsys):
     from qwen4exp.cli import main
 

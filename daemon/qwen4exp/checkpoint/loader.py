@@ -205,11 +205,12 @@ def _plan(files: dict[str, Path], targets: dict[str, torch.Tensor], block: tuple
         stack = kept.get(stack_name) if stack_name is not None else None
         if stack is not None:       # the stack's dense shape for the checks, its blocks for the copy
             ref = layout.DiskRef(ref.kind, stack_name + ".blocks", ref.number, ref.proj)
-        if ref.kind == "visual":
-            plan.report.skipped_visual += 1
-            continue
-        if ref.target.startswith(layout.MTP_PREFIX) and not has_mtp:
-            plan.report.skipped_mtp += 1
+        if ref.kind == "visual" or (ref.target.startswith(layout.MTP_PREFIX) and not has_mtp):
+            if ref.kind == "visual":
+                plan.report.skipped_visual += 1
+            else:
+                plan.report.skipped_mtp += 1
+            used.add(fp8.scale_name(name))        # a skipped float8 weight's scales are skipped with it
             continue
         param = targets.get(ref.target)
         dense = tuple(stack.shape) if stack is not None else None if param is None else tuple(param.shape)
