@@ -1,7 +1,7 @@
 """Time a decode step's matrix products on a GPU: cuBLAS (F.linear) against row_products.py's kernel, or with
 `--qtype`, block_products.py's kernel over weights kept as GGML blocks against both on their dense twin.
 
-    python bench/row_products_bench.py --out rows.json [--rows 1,4] [--qtype Q8_0|Q8_0_256]
+    python bench/row_products_bench.py --out rows.json [--rows 1,4] [--qtype Q8_0]
 
 For each weight shape a decode step of the bench preset multiplies (LM head, Gated DeltaNet's stacked input
 and output projections, QSA's, the MoE's stacked router + shared expert, the hyper-connections' 324 x 10240),
@@ -104,8 +104,6 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for n, k in SHAPES:
-        if args.qtype and k % LAYOUTS[args.qtype][0]:
-            continue                      # rows this type does not hold (Q8_0_256 takes whole 256-value groups)
         for rows in (int(r) for r in args.rows.split(",")):
             entry = blocks_entry(n, k, rows, args.qtype) if args.qtype else dense_entry(n, k, rows)
             best = min((v["us"], name) for name, v in entry.items() if isinstance(v, dict) and "us" in v)

@@ -43,8 +43,7 @@ def engine_launches(target: str) -> list[ahead_of_time.Launch]:
     at any)."""
     launches = recorded("bench", target) + recorded("full", target) + recorded("full", target, "ud-q4_k_xl")
     for qtype in quant_tiles.QTYPES:
-        if qtype != "Q8_0_256":          # what Q8_0 weights become after a load (engine/model/regroup.py)
-            launches += recorded("bench", target, qtype, chunks=(37, 512), decode_rows=(1, 4))
+        launches += recorded("bench", target, qtype, chunks=(37, 512), decode_rows=(1, 4))
     return ahead_of_time.distinct(launches)
 
 

@@ -12,7 +12,7 @@ from qwen4exp.checkpoint.gguf_blocks import random_blocks
 from qwen4exp.engine.model.quant_blocks import LAYOUTS, dequantize
 
 
-@pytest.mark.parametrize("qtype", sorted(q for q in LAYOUTS if not q.startswith("FP8_") and q != "Q8_0_256"))
+@pytest.mark.parametrize("qtype", sorted(q for q in LAYOUTS if not q.startswith("FP8_")))
 @pytest.mark.parametrize("std, seed", [(0.02, 0), (3.0, 1), (1e-4, 2)])
 def test_every_type_dequantizes_bit_for_bit_as_the_reference(qtype, std, seed):
     from gguf import GGMLQuantizationType, quants
@@ -23,62 +23,6 @@ def test_every_type_dequantizes_bit_for_bit_as_the_reference(qtype, std, seed):
     ours = dequantize(torch.from_numpy(blocks), qtype)
     assert ours.dtype == torch.float32 and tuple(ours.shape) == reference.shape
     assert np.array_equal(ours.numpy().view(np.uint32), reference.view(np.uint32))
-
-
-def q8_0_blocks_with_their_own_scales(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """Random Q8_0 blocks whose every block has a scale of its own (random_blocks gives a tensor one scale)."""
-    blocks = torch.from_numpy(random_blocks("Q8_0", shape, 0.05, seed)).clone()
-    view = blocks.view(-1, 34)
-    scales = torch.rand(view.shape[0], generator=torch.Generator().manual_seed(seed)) * 0.01 + 1e-4
-    view[:, :2] = scales.to(torch.float16).view(torch.uint8).view(-1, 2)
-    return blocks
-
-
-def test_q8_0_regrouped_by_256_holds_the_same_values_with_its_quants_aligned():
-    """Q8_0_256 (quant_tiles.LAYOUTS: eight Q8_0 blocks as one, their scales first) gives Q8_0's values bit for bit;
-    its quants sit at 16-byte offsets; it converts back to the file's Q8_0 bytes."""
-    from qwen4exp.engine.model.quant_blocks import group_q8_0, ungroup_q8_0
-
-    blocks = q8_0_blocks_with_their_own_scales((3, 7, 512), 4)
-    grouped = group_q8_0(blocks)
-    assert grouped.shape == blocks.shape and torch.equal(ungroup_q8_0(grouped), blocks)
-    want = dequantize(blocks, "Q8_0")
-    assert torch.equal(dequantize(grouped, "Q8_0_256").view(torch.int32), want.view(torch.int32))
-    assert len(set(want[0, 0].view(-1, 32).abs().amax(-1).tolist())) > 8        # the blocks' own scales
-    first = grouped.view(-1, 272)[0]
-    assert torch.equal(first[16:48].view(torch.int8), blocks.view(-1, 34)[0, 2:].view(torch.int8))
-    assert torch.equal(first[2:4], blocks.view(-1, 34)[1, :2])                   # block 1's scale, second
-
-
-def test_a_model_regroups_its_q8_0_weights_after_the_load_and_answers_the_same():
-    """Every Q8_0 stack with rows of whole 256-value groups is regrouped in place (model/regroup.py); the
-    torch forms' logits are unchanged bit for bit."""
-    from qwen4exp.checkpoint.gguf_loader import quantized_stacks
-    from qwen4exp.checkpoint.gguf_writer import PlannedFile
-    from qwen4exp.checkpoint.presets import preset_config
-    from qwen4exp.checkpoint.random_weights import fill_random, fill_random_stacks
-    from qwen4exp.engine.loading import build_model
-    from qwen4exp.engine.model.config import ModelConfig
-    from qwen4exp.engine.model.quantized import QuantizedStack
-    from qwen4exp.engine.model.regroup import regroup_q8_0
-
-    config = preset_config("tiny", dtype="float32")
-    config["text_config"].update(hidden_size=256, ple_embed_dim=256, mtp_num_hidden_layers=0)
-    cfg = ModelConfig.from_dict(config)
-    model = build_model(cfg, torch.float32, torch.device("cpu"), quantized_stacks(PlannedFile(cfg, "q8_0"), cfg))
-    fill_random(model, config["text_config"], 0, torch.float32)
-    fill_random_stacks(model, 0)
-    for module in model.modules():              # every block its own scale
-        if isinstance(module, QuantizedStack) and module.qtype == "Q8_0":
-            module.blocks.copy_(q8_0_blocks_with_their_own_scales(tuple(module.blocks.shape[:-1]) +
-                                                                   (module.shape[-1],), 6).view(module.blocks.shape))
-    ids = torch.arange(3, 40)
-    before = model(ids, model.new_state(64), all_logits=True)
-    stacks = [m for m in model.modules() if isinstance(m, QuantizedStack)]
-    eligible = [m for m in stacks if m.qtype == "Q8_0" and m.shape[-1] % 256 == 0]
-    assert regroup_q8_0(model) == len(eligible) > 0 and model.lm_head.weight.qtype == "Q8_0_256"
-    assert all(m.qtype == "Q8_0" for m in stacks if m not in eligible)
-    assert torch.equal(model(ids, model.new_state(64), all_logits=True), before)
 
 
 def test_rows_that_are_not_whole_blocks_are_refused():

@@ -54,11 +54,6 @@ def random_blocks(qtype: str, shape: tuple[int, ...], std: float, seed: int) -> 
     if qtype.startswith("FP8_"):
         from .fp8 import random_blocks as fp8_blocks
         return fp8_blocks(qtype, shape, std, seed)
-    if qtype == "Q8_0_256":                 # ours: Q8_0 blocks regrouped (quant_tiles.LAYOUTS)
-        import torch
-
-        from ..engine.model.quant_blocks import group_q8_0
-        return group_q8_0(torch.from_numpy(random_blocks("Q8_0", shape, std, seed))).numpy()
 
     block = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][0]
     if shape[-1] % block:
@@ -78,12 +73,6 @@ def fill_random_blocks(blocks, qtype: str, std: float, seed: int) -> None:
     if qtype.startswith("FP8_"):
         from .fp8 import fill_random_blocks as fill_fp8
         return fill_fp8(blocks, qtype, std, seed)
-    if qtype == "Q8_0_256":
-        from ..engine.model.quant_blocks import group_q8_0
-        fill_random_blocks(blocks, "Q8_0", std, seed)
-        rows = blocks.view(-1, blocks.shape[-1])
-        rows.copy_(group_q8_0(rows))
-        return None
     size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
     blocks.random_(0, 256, generator=torch.Generator(device=blocks.device).manual_seed(seed))
     view = blocks.view(-1, size)

@@ -14,7 +14,6 @@ from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
 from .model.ple import NGramEmbedding
 from .model.quantized import QuantizedStack, keep_quantized
-from .model.regroup import regroup_q8_0
 from .placement import Placement
 
 log = logging.getLogger("qwen4exp.engine")
@@ -88,7 +87,7 @@ def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | to
         cfg = checkpoint.model_config()
         model = build_model(cfg, dtype, device, quantized_stacks(checkpoint, cfg), ple_on_host, placement)
         report = load_gguf_weights(checkpoint, model, cfg)
-        log.info("loaded %s: %s (%d Q8_0 weights regrouped for the kernels)", path, report, regroup_q8_0(model))
+        log.info("loaded %s: %s", path, report)
         return model
     cfg = model_config(path)
     # An FP8 checkpoint's float8 experts and PLE table stay float8 (checkpoint/fp8.py).

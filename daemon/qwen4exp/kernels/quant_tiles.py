@@ -25,13 +25,9 @@ from .guard import interpreted, tl, triton
 
 # (values per block, bytes per block) of each block type. FP8_B32 and FP8_B128 are ours, for Qwen's FP8 checkpoint
 # (checkpoint/fp8.py): a float32 scale (little-endian), then 32 or 128 float8 e4m3 values, each value = scale x it.
-# Q8_0_256 is ours too: eight Q8_0 blocks regrouped as one (their eight float16 scales, then their 256 int8 quants)
-# where a row holds whole groups of 256 (engine/model/regroup.py, after a load): the same bytes and
-# values, but each group's quants start 16-byte aligned, where a Q8_0 block's sit at 2 bytes past a 34-byte stride,
-# so the kernels load them in 16-byte vectors.
 LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
            "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
-           "FP8_B32": (32, 36), "FP8_B128": (128, 132), "Q8_0_256": (256, 272)}
+           "FP8_B32": (32, 36), "FP8_B128": (128, 132)}
 # The non-linear 4-bit grid of IQ4_NL and IQ4_XS.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 QTYPES = tuple(LAYOUTS)
@@ -116,12 +112,6 @@ if triton is not None:
             base = row + (col // 32) * 34
             q = tl.load(base + 2 + lane, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
             return _f16(base, mask) * q
-        elif QTYPE == "Q8_0_256":
-            # The scale and the quants read in their own types (both aligned: no byte assembly).
-            base = row + (col // 256) * 272
-            scale = tl.load((base + ((col % 256) // 32) * 2).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0)
-            q = tl.load((base + 16 + col % 256 + lane).to(tl.pointer_type(tl.int8)), mask=mask, other=0)
-            return scale.to(tl.float32) * q.to(tl.float32)
         elif QTYPE == "Q4_0":
             base = row + (col // 32) * 18
             return _f16(base, mask) * (_nibble(base + 2, lane, mask).to(tl.float32) - 8)

@@ -43,27 +43,6 @@ def _q8_0(b):
     return _f16(b, 0) * b[:, 2:34].contiguous().view(torch.int8).to(torch.float32)
 
 
-def _q8_0_256(b):
-    scales = b[:, :16].contiguous().view(torch.float16).to(torch.float32)              # [N, 8]
-    quants = b[:, 16:].contiguous().view(torch.int8).to(torch.float32).view(-1, 8, 32)
-    return (scales.unsqueeze(-1) * quants).reshape(-1, 256)
-
-
-def group_q8_0(rows: torch.Tensor) -> torch.Tensor:
-    """Q8_0 rows [..., row bytes] (whole groups of 8 blocks) -> the same values as Q8_0_256 rows (quant_tiles.LAYOUTS):
-    each 8 blocks' scales, then their quants."""
-    blocks = rows.reshape(*rows.shape[:-1], -1, 8, 34)
-    return torch.cat((blocks[..., :2].flatten(-2), blocks[..., 2:].flatten(-2)), dim=-1).reshape(rows.shape)
-
-
-def ungroup_q8_0(rows: torch.Tensor) -> torch.Tensor:
-    """group_q8_0's inverse: Q8_0_256 rows -> Q8_0 rows (what a GGUF holds)."""
-    groups = rows.reshape(*rows.shape[:-1], -1, 272)
-    scales = groups[..., :16].unflatten(-1, (8, 2))
-    quants = groups[..., 16:].unflatten(-1, (8, 32))
-    return torch.cat((scales, quants), dim=-1).reshape(rows.shape)
-
-
 def _q4_0(b):
     return _f16(b, 0) * (_nibbles(b[:, 2:18]).to(torch.float32) - 8)
 
@@ -141,8 +120,7 @@ def _fp8(b):
 
 
 _FORMS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
-          "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "FP8_B32": _fp8, "FP8_B128": _fp8,
-          "Q8_0_256": _q8_0_256}
+          "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "FP8_B32": _fp8, "FP8_B128": _fp8}
 
 
 def dequantize(raw: torch.Tensor, qtype: str) -> torch.Tensor:
