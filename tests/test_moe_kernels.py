@@ -232,10 +232,10 @@ def check_block_stacks_give_their_dense_twins_results():
         inter = 256 if down_type in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else QI
         gate_up, down = _stack(gate_up_type, (E, 2 * inter, QH), 1), _stack(down_type, (E, QH, inter), 2)
         twin_gate_up, twin_down = gate_up.dequantize(), down.dequantize()
-        # 5 tokens: small row blocks; 70 tokens: 17.5 pairs an expert, the tiles dequantized in the GEMMs over
+        # 5 tokens: small row blocks; 120 tokens: 30 pairs an expert, the tiles dequantized in the GEMMs over
         # several full row blocks; 260 tokens: 65, past moe_blocks.DENSE_FROM (the stacks dequantized whole): the
         # first pair of types only
-        for rows in (5, 70, 260) if gate_up_type == BLOCK_PAIRS[0][0] else (5,):
+        for rows in (5, 120, 260) if gate_up_type == BLOCK_PAIRS[0][0] else (5,):
             x = torch.randn(rows, QH, generator=gen).bfloat16()
             ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(rows)])
             weights = torch.rand(rows, K, generator=gen).softmax(-1).bfloat16()
@@ -266,10 +266,11 @@ def check_a_chunks_form_follows_its_own_pairs():
     assert moe.grouped_form(gate_up, down, 64 * E) == (moe.GROUPED_BLOCK_M, True, True)
     assert moe.grouped_form(gate_up, down.dequantize(), 8).block_m == moe.SMALL_BLOCK_M
     assert moe.grouped_form(gate_up.dequantize(), down.dequantize(), 8).block_m == moe.GROUPED_BLOCK_M
-    # chunks of 20, 50 and 70 rows: 5, 12.5 and 17.5 pairs an expert alone; the first two together 17.5
-    x = torch.randn(140, QH, generator=gen).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(140)])
-    weights = torch.rand(140, K, generator=gen).softmax(-1).bfloat16()
+    # chunks of 20, 50 and 70 rows: 5, 12.5 and 17.5 pairs an expert alone; the first two together 17.5; 200 and
+    # 100 rows (50 and 25) run full row blocks
+    x = torch.randn(200, QH, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(200)])
+    weights = torch.rand(200, K, generator=gen).softmax(-1).bfloat16()
     row_blocks, real = [], moe.group_pairs_by_expert      # the row block each launch lays its pairs out in
     moe.group_pairs_by_expert = lambda ids, experts, block_m: row_blocks.append(block_m) or real(ids, experts, block_m)
     try:
@@ -277,7 +278,7 @@ def check_a_chunks_form_follows_its_own_pairs():
         assert torch.equal(together[:20], moe.moe_grouped(x[:20], ids[:20], weights[:20], gate_up, down))
         assert torch.equal(together[20:], moe.moe_grouped(x[20:70], ids[20:70], weights[20:70], gate_up, down))
         full = moe.moe_grouped(x, ids, weights, gate_up, down)
-        assert torch.equal(full[70:], moe.moe_grouped(x[70:], ids[70:], weights[70:], gate_up, down))
+        assert torch.equal(full[100:], moe.moe_grouped(x[100:], ids[100:], weights[100:], gate_up, down))
     finally:
         moe.group_pairs_by_expert = real
     assert row_blocks == [moe.SMALL_BLOCK_M] * 3 + [moe.GROUPED_BLOCK_M] * 2

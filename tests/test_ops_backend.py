@@ -76,5 +76,5 @@ def test_prompt_chunks_share_the_experts_launch_in_the_form_each_takes_alone(mon
     assert [out.shape[0] for out in TRITON_OPS.chunks_experts(block, short, [step] * 6)] == [60] * 6
     assert launches == [(360, small)]
     launches.clear()
-    TRITON_OPS.chunks_experts(block, [torch.zeros(60, hidden), torch.zeros(64, hidden)], [step] * 2)
-    assert launches == [(60, small), (64, moe.GroupedForm(moe.GROUPED_BLOCK_M, False, False))]
+    TRITON_OPS.chunks_experts(block, [torch.zeros(60, hidden), torch.zeros(100, hidden)], [step] * 2)
+    assert launches == [(60, small), (100, moe.GroupedForm(moe.GROUPED_BLOCK_M, False, False))]
