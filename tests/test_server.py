@@ -253,3 +253,30 @@ def test_a_drafting_server_answers_the_same_and_reports_its_drafts(tiny_checkpoi
         assert 'qwen4exp_mtp_accepted_at_total{position="2"}' in text
     finally:
         drafting.close()
+
+
+@pytest.mark.parametrize("form", ["fp8", "gguf"])
+def test_a_quantized_checkpoint_serves_through_the_daemon_as_generate_answers(tmp_path, form):
+    """What an operator points a profile at, Qwen's FP8 layout or a UD-Q4_K_XL GGUF (its tokenizer inside the
+    file), served by the daemon's worker process: /generate gives the tokens `generate` gives on the same file, and
+    a chat turn is answered."""
+    from qwen4exp.cli import main
+    from qwen4exp.engine.generate import generate
+    from qwen4exp.engine.loading import load_model
+
+    path = tmp_path / ("tiny.gguf" if form == "gguf" else "tiny-fp8")
+    quant = ["--quant", "ud-q4_k_xl"] if form == "gguf" else ["--dtype", "float32"]
+    assert main(["init-checkpoint", "--preset", "tiny", "--format", form, *quant, "--seed", "2", "--out",
+                 str(path)]) == 0
+    prompt = [(11 * i) % 900 + 3 for i in range(45)]
+    want = generate(load_model(str(path), dtype="float32", device="cpu", progress=False), prompt, 10).output_ids
+    served = Server(path)
+    try:
+        status, body, _ = served.request("POST", "/generate", {"prompt_ids": prompt, "max_tokens": 10,
+                                                               "ignore_eos": True})
+        assert status == 200 and body["token_ids"] == want, body
+        status, chat, _ = served.request("POST", "/v1/chat/completions", {
+            "model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4, "temperature": 0})
+        assert status == 200 and chat["usage"]["completion_tokens"] > 0, chat
+    finally:
+        served.close()
