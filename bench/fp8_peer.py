@@ -3,14 +3,15 @@
     python bench/fp8_peer.py --checkpoint /tmp/bench8_fp8 --write --layers 8 --kernels .peer/finegrained_fp8 \
         --prompt-tokens 2048 --out fp8_peer.json
 
-transformers serves an FP8 checkpoint through the Triton kernels of the hub package `kernels-community/finegrained-
-fp8` (activations quantized per 128-value group on the fly, FP8 tensor cores). The lent GPU machine has no network,
-so --kernels names a local copy of that package's `torch-ext/finegrained_fp8` source (not part of this repository);
-it imports a module its build generates (`_ops`: the torch.library namespace), which `peer_kernels` provides.
+transformers serves an FP8 checkpoint through the Triton kernels of the hub package
+`kernels-community/finegrained-fp8` (activations quantized per 128-value group on the fly, FP8 tensor cores). The
+lent GPU machine has no network, so --kernels names a local copy of that package's `torch-ext/finegrained_fp8`
+source (not part of this repository: carry it to the machine); it imports a module its build generates (`_ops`:
+the torch.library namespace), which `peer_kernels` provides. transformers' FP8 loading needs `accelerate`.
 
 One model at a time on the device, each on the same prompt:
-1. the reference: the checkpoint's dequantized weights in bfloat16, run by transformers' own torch code
-   (FineGrainedFP8Config(dequantize=True));
+1. the reference: the checkpoint's weights dequantized to bfloat16 (the PLE table's rows as they are gathered),
+   run by transformers' own torch code (FineGrainedFP8Config(dequantize=True));
 2. transformers' FP8 path: the logits, its prompt forward and its decode step (bench/speed.py's measure);
 3. ours: the logits from the FP8 checkpoint as we load it (float8 experts and attention projections kept as
    blocks), then bench/speed.py's engine measures at one slot (prompt forward, decode step from a CUDA graph).
@@ -22,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import importlib.util
 import json
 import sys
 import time
 import types
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -53,6 +56,14 @@ def peer_kernels(path: Path):
     integration._FINEGRAINED_FP8 = integration.FineGrainedFP8(
         matmul=package.matmul_2d, batched_matmul=package.matmul_batched, grouped_matmul=package.matmul_grouped)
     return package
+
+
+def source_hash(path: Path) -> str:
+    """Which copy of the kernels' source ran: a hash over its Python files."""
+    digest = hashlib.sha256()
+    for file in sorted(path.rglob("*.py")):
+        digest.update(file.relative_to(path).as_posix().encode() + file.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def release() -> None:
@@ -122,8 +133,16 @@ def main(argv: list[str] | None = None) -> dict:
     if not torch.cuda.is_available():
         p.error("this bench runs on a GPU (transformers' FP8 kernels are Triton kernels for CUDA)")
 
-    results: dict = {"commit": speed.commit(), "versions": speed.versions(),
-                     "device": speed.device_name(torch.device("cuda")), "args": vars(args)}
+    chunk = -(-max(2048, args.prompt_tokens) // 1024) * 1024       # whole restore spacings (speed.py's default)
+    results: dict = {"date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                     "command": " ".join(sys.argv), "commit": speed.commit(), "versions": speed.versions(),
+                     "device": speed.device_name(torch.device("cuda")), "args": vars(args),
+                     "kernels_source": source_hash(Path(args.kernels))}
+    out = Path(args.out)
+
+    def save() -> None:          # after each part: a later failure keeps what ran
+        out.write_text(json.dumps(results, indent=2))
+
     if args.write:
         from qwen4exp.checkpoint.writer import write_random_checkpoint
         started = time.perf_counter()
@@ -131,14 +150,15 @@ def main(argv: list[str] | None = None) -> dict:
                                 device="cuda", progress=False, fp8_block=(128, 128))
         results["write_s"] = time.perf_counter() - started
     config = json.loads((Path(args.checkpoint) / "config.json").read_text())
-    limit = int(config.get("text_config", config)["vocab_size"])
+    limit = int(config.get("text_config", config)["eos_token_id"])       # prompts of ordinary tokens, as speed.py's
     prompt = speed.prompt_ids(args.prompt_tokens, limit, 7)
 
     reference_model, load_s = transformers_model(args.checkpoint, dequantize=True)
     reference = transformers_logits(reference_model, prompt, args.compare)
-    results["reference"] = {"what": "transformers, dequantized weights in bfloat16", "load_s": load_s}
+    results["reference"] = {"what": "transformers, the weights dequantized to bfloat16", "load_s": load_s}
     del reference_model
     release()
+    save()
 
     peer_kernels(Path(args.kernels))
     peer, load_s = transformers_model(args.checkpoint, dequantize=False)
@@ -147,14 +167,17 @@ def main(argv: list[str] | None = None) -> dict:
                                    **transformers_speed(peer, args, limit)}
     del peer
     release()
+    save()
 
     logits, load_s = our_logits(args.checkpoint, prompt, args.compare)
-    ours = speed.main(["--checkpoint", args.checkpoint, "--dtype", "bfloat16", "--device", "cuda", "--slots", "1",
-                       "--busy", "1", "--decode-steps", str(args.decode_steps), "--prefill", str(args.prompt_tokens),
-                       "--chunk", str(max(2048, args.prompt_tokens)), "--ttft-tokens", str(args.prompt_tokens),
-                       "--ttft-prompts", str(args.prompt_tokens), "--out", args.out + ".ours.json"])
-    results["ours"] = {"load_s": load_s, "error": error(logits, reference), "speed": ours}
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    results["ours"] = {"load_s": load_s, "error": error(logits, reference)}
+    save()
+    results["ours"]["speed"] = speed.main([
+        "--checkpoint", args.checkpoint, "--dtype", "bfloat16", "--device", "cuda", "--slots", "1", "--busy", "1",
+        "--decode-steps", str(args.decode_steps), "--prefill", str(args.prompt_tokens), "--chunk", str(chunk),
+        "--ttft-tokens", str(args.prompt_tokens), "--ttft-prompts", str(args.prompt_tokens),
+        "--out", args.out + ".ours.json"])
+    save()
     for name in ("transformers_fp8", "ours"):
         print(name, json.dumps(results[name]["error"]))
     print("transformers decode ms", results["transformers_fp8"].get("decode_ms_per_step"),

@@ -216,9 +216,10 @@ class Work:
                 group = "dense"
             groups[group] += p.numel()
             group_bytes[group] += p.numel() * p.element_size()
-        for name, module in model.named_modules():          # the weights a GGUF keeps as blocks
+        for name, module in model.named_modules():          # the weights a GGUF or an FP8 checkpoint keeps as blocks
             if isinstance(module, QuantizedStack):
-                group = ("routed" if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) else
+                group = ("mtp" if name.startswith("mtp.") else
+                         "routed" if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) else
                          "ngram" if name.endswith(".ngram_embedding") else "embed" if name == "model.embed_tokens"
                          else "lm_head" if name == "lm_head.weight" else "dense")
                 groups[group] += math.prod(module.shape)

@@ -175,3 +175,17 @@ def test_speed_on_a_random_gguf_mix_counts_the_blocks_a_step_reads(tmp_path):
     assert all(d["roofline_bytes"]["routed_experts"] > 0 and d["ms_per_step"] > 0 for d in r["decode"])
     with pytest.raises(SystemExit):
         speed.parse_args(["--checkpoint", "x", "--quant", "q8_0", "--out", "y"])
+
+
+def test_the_roofline_counts_an_fp8_models_mtp_experts_apart_from_the_routed_ones():
+    """An FP8 model keeps its MTP layer's experts as float8 blocks too: they are the head's bytes, not a 49th
+    layer of routed experts (which the count check refused)."""
+    from qwen4exp.checkpoint.random_weights import random_model
+
+    speed = load_script("speed")
+    model = random_model("tiny", dtype="float32", device="cpu", quant="fp8")
+    work = speed.Work(model)
+    cfg = model.config
+    assert work.params["routed"] == cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.moe_intermediate_size * \
+        cfg.hidden_size
+    assert work.params["mtp"] > cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.hidden_size

@@ -126,8 +126,10 @@ TABLE = "model.language_model.layers.1.ple.ple_embedding.ngram_embedding.weight"
     (lambda t: t.__setitem__(EXPERT + "_scale", torch.ones(1)),        # only the PLE table's scale is a weight_scale
      rf"{EXPERT}_scale \(model\.safetensors: scales no float8 weight\)"),
     (lambda t: t.pop(TABLE + "_scale"), rf"float8 tensor .*shard_\d\.weight has no {TABLE}_scale"),
+    (lambda t: t.__setitem__(TABLE + "_scale", torch.ones(2)),
+     rf"model\.safetensors: {TABLE}_scale has shape \[2\]; the PLE table's float8 shards take one global scale"),
 ], ids=["no-scale", "scale-of-the-wrong-shape", "a-scale-without-a-float8-weight", "a-weight-scale-not-the-tables",
-        "no-table-scale"])
+        "no-table-scale", "a-table-scale-of-two"])
 def test_what_the_layout_gets_wrong_is_named(fp8_dir, change, message):
     _rewrite(fp8_dir, change)
     with pytest.raises(CheckpointError, match=message):
@@ -206,6 +208,15 @@ def test_a_float8_vision_weight_is_skipped_with_its_scales(fp8_dir):
     _rewrite(fp8_dir, add_vision)
     after = load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False).state_dict()
     assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+
+
+def test_a_config_without_the_mtp_layer_skips_its_float8_weights_and_their_scales(fp8_dir):
+    """The MTP head's float8 experts and their scales in the file, a config that builds no head: both passed over."""
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 0
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+    model = load_model(str(fp8_dir), dtype="float32", device="cpu", progress=False)
+    assert model.mtp is None
 
 
 def test_init_checkpoint_writes_fp8_and_generate_serves_it(tmp_path, capsys):

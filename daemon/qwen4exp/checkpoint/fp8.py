@@ -82,20 +82,29 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
     return weight.to(torch.float32) * value_scales(scale, tuple(weight.shape), block, name)
 
 
+def check_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int] | None, weight: str,
+                where: str | None = None) -> None:
+    """Refuse scales that do not fit a weight of `shape` (`where`: the scale tensor as a file names it)."""
+    where = where or scale_name(weight)
+    if block is None:
+        if scale.numel() != 1:
+            raise CheckpointError(f"{where} has shape {list(scale.shape)}; the PLE table's float8 shards take one "
+                                  f"global scale (one element)")
+        return
+    expected = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    if tuple(scale.shape) != expected:
+        raise CheckpointError(f"{where} has shape {list(scale.shape)}; {weight} {list(shape)} in blocks of "
+                              f"{list(block)} needs {list(expected)}")
+
+
 def value_scales(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int] | None, name: str = "a weight"
                  ) -> torch.Tensor:
     """Each value's float32 scale for a weight of `shape`: its block's ([ceil(out/rows), ceil(in/cols)] scales), or
     the one global scale (block None), broadcastable to the weight."""
+    check_scale(scale, shape, block, name)
     if block is None:
-        if scale.numel() != 1:
-            raise CheckpointError(f"the scale of {name} has shape {list(scale.shape)}; the PLE table's float8 "
-                                  f"shards take one global scale")
         return scale.to(torch.float32).reshape(())
     rows, cols = shape
-    expected = (-(-rows // block[0]), -(-cols // block[1]))
-    if tuple(scale.shape) != expected:
-        raise CheckpointError(f"{name}{SCALE_SUFFIX} has shape {list(scale.shape)}; {name} {list(shape)} in "
-                              f"blocks of {list(block)} needs {list(expected)}")
     return scale.to(torch.float32).repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
 
 

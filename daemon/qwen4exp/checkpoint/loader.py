@@ -341,6 +341,8 @@ def load_weights(
                 if copy.scale is not None:       # the PLE table's shards have one global scale
                     table = layout.parse_disk_name(copy.disk).kind == "ple_shard"
                     scale, per = _scale(f, file, copy.scale, staging), None if table else block
+                    fp8.check_scale(scale, tuple(tensor.shape), per, copy.disk,
+                                    f"{copy.scale[0]}: {copy.scale[1]}")
                     tensor = fp8.to_blocks(tensor, scale, per, copy.kept) if copy.kept else \
                         fp8.dequantize(tensor, scale, per, copy.disk)
                 if tensor.is_floating_point():

@@ -4,7 +4,7 @@ Triton builds a binary for each kind of a kernel's int arguments (1, a multiple 
 its constexprs. The counts that follow a prompt's length (a chunk's rows, its expert pairs, the ids it looks up)
 are not specialized on (the kernels' do_not_specialize), so what tells a prompt chunk's binaries apart is its
 kind: one token, a few (the block products' few-row kernel past 16 rows goes to the dequantized GEMM; quantized
-experts run small row blocks below 16 pairs an expert, full ones from there, and their stacks are dequantized whole
+experts run small row blocks below 24 pairs an expert, full ones from there, and their stacks are dequantized whole
 from 64 pairs an expert: kernels/moe.py's GroupedForm), a whole chunk, from the prompt's start or past QSA's dense
 reach (where the indexer ranks blocks). Chunks start on the chunk grid
 (restores too: spacings divide the chunk), so their positions are multiples of 16 alike.

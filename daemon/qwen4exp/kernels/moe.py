@@ -58,9 +58,9 @@ GROUPED_GATE_UP = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
 GROUPED_DOWN = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
 # A short chunk over quantized stacks (fewer than SMALL_BELOW pairs an expert on average) runs row blocks of
 # SMALL_BLOCK_M pairs with two pipeline stages: its experts get a row block or two each either way, and the small
-# tile dequantizes the same weight tiles with less padding and shared memory (docs/PERFORMANCE.md: a full-model
-# MoE layer over Q4_K gate/up and Q5_1 down, 5.90 -> 3.33 ms at 128 tokens and 6.52 -> 5.96 ms at 1024, slower
-# from 2048: 9.37 against 6.56 ms).
+# tile dequantizes the same weight tiles with less padding and shared memory (docs/PERFORMANCE.md, on an H100: a
+# full-model MoE layer over Q4_K gate/up and Q5_1 down, 5.90 -> 3.33 ms at 128 tokens and 6.52 -> 5.96 ms at 1024,
+# slower from 2048: 9.37 against 6.56 ms).
 SMALL_BLOCK_M = 16
 SMALL_BELOW = 24
 SMALL_STAGES = 2
