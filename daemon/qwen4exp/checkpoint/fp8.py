@@ -75,17 +75,15 @@ def block_size(config: dict[str, Any], where: str) -> tuple[int, int] | None:
     return block[0], block[1]
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, name: str = "a weight"
-               ) -> torch.Tensor:
-    """float8 [out, in] and its scales [ceil(out/rows), ceil(in/cols)] -> float32; block None: one global scale
-    (the PLE table's)."""
-    return weight.to(torch.float32) * value_scales(scale, tuple(weight.shape), block, name)
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """float8 [out, in] and its scales [ceil(out/rows), ceil(in/cols)] (as check_scale accepts them) -> float32;
+    block None: one global scale (the PLE table's)."""
+    return weight.to(torch.float32) * value_scales(scale, tuple(weight.shape), block)
 
 
 def check_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int] | None, weight: str,
-                where: str | None = None) -> None:
-    """Refuse scales that do not fit a weight of `shape` (`where`: the scale tensor as a file names it)."""
-    where = where or scale_name(weight)
+                where: str) -> None:
+    """Refuse scales that do not fit `weight` of `shape` (`where`: the scale tensor, as file and name)."""
     if block is None:
         if scale.numel() != 1:
             raise CheckpointError(f"{where} has shape {list(scale.shape)}; the PLE table's float8 shards take one "
@@ -97,11 +95,9 @@ def check_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, i
                               f"{list(block)} needs {list(expected)}")
 
 
-def value_scales(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int] | None, name: str = "a weight"
-                 ) -> torch.Tensor:
+def value_scales(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int] | None) -> torch.Tensor:
     """Each value's float32 scale for a weight of `shape`: its block's ([ceil(out/rows), ceil(in/cols)] scales), or
     the one global scale (block None), broadcastable to the weight."""
-    check_scale(scale, shape, block, name)
     if block is None:
         return scale.to(torch.float32).reshape(())
     rows, cols = shape

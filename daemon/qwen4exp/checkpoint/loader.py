@@ -344,7 +344,7 @@ def load_weights(
                     fp8.check_scale(scale, tuple(tensor.shape), per, copy.disk,
                                     f"{copy.scale[0]}: {copy.scale[1]}")
                     tensor = fp8.to_blocks(tensor, scale, per, copy.kept) if copy.kept else \
-                        fp8.dequantize(tensor, scale, per, copy.disk)
+                        fp8.dequantize(tensor, scale, per)
                 if tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 param = targets[copy.target]
