@@ -5,8 +5,9 @@
 
 transformers serves an FP8 checkpoint through the Triton kernels of the hub package
 `kernels-community/finegrained-fp8` (activations quantized per 128-value group on the fly, FP8 tensor cores). The
-lent GPU machine has no network, so --kernels names a local copy of that package's `torch-ext/finegrained_fp8`
-source (not part of this repository: carry it to the machine); it imports a module its build generates (`_ops`:
+lent GPU machine has no network, so --kernels names a local copy of that package's source (the GitHub repository
+huggingface/kernels-community, `finegrained-fp8/torch-ext/finegrained_fp8`; not part of this repository: carry it
+to the machine); it imports a module its build generates (`_ops`:
 the torch.library namespace), which `peer_kernels` provides. transformers' FP8 loading needs `accelerate`.
 
 One model at a time on the device, each on the same prompt:
