@@ -391,7 +391,7 @@ def estimate_plan(facts: ModelFacts, target: DeviceSize, splits: tuple[DeviceSiz
     if splits:
         est.split, est.split_tried = _decide(est, trained, step, floor, max_chunk, split=True)
         held = [i for name, (first, last, _) in est.split.split_layers.items() for i in range(first, last + 1)
-                if any(d.name == name and d.kind != "cpu" for d in splits)]
+                if name in _keeping_hot_experts(splits)]
         if hot_experts and held:
             est.notes.append(f"hot experts: {hot_experts} of each of the {len(held)} split layers' experts also on the "
                              f"target ({human_size(hot_experts * sum(facts.layer_experts[i] for i in held))}, in "
@@ -547,6 +547,12 @@ class DevicePart:
     carried: int          # one slot's carried state of these layers (kept per draft position)
 
 
+def _keeping_hot_experts(splits: tuple[DeviceSize, ...]) -> set[str]:
+    """The split devices whose layers keep hot experts on the target: GPUs, not host memory
+    (hot_experts.hot_layers)."""
+    return {device.name for device in splits if device.kind != "cpu"}
+
+
 def split_inputs(facts: ModelFacts, splits: tuple[DeviceSize, ...], counts: tuple[int, ...], ple_on_host: bool,
                  hot_experts: int = 0) -> tuple[DevicePart, list[DevicePart]]:
     """The target's part and each split device's when split device j holds counts[j] whole layers, placed as
@@ -572,9 +578,8 @@ def split_inputs(facts: ModelFacts, splits: tuple[DeviceSize, ...], counts: tupl
     on_target = part(target)
     # The target's own bytes besides its layers (embedding, LM head, MTP head and its cache): the whole model's less
     # what the split devices hold.
-    # Hot experts are kept for layers on a GPU (hot_experts.hot_layers), none for layers in host memory.
-    on_gpu = {device.name for device in splits if device.kind != "cpu"}
-    hot = hot_experts * sum(facts.layer_experts[i] for i, name in enumerate(placement.layers) if name in on_gpu)
+    keeping = _keeping_hot_experts(splits)
+    hot = hot_experts * sum(facts.layer_experts[i] for i, name in enumerate(placement.layers) if name in keeping)
     return replace(on_target, weights=facts.on_device(ple_on_host) - sum(p.weights for p in parts) + hot,
                    per_position=facts.per_position - sum(p.per_position for p in parts),
                    fixed=facts.fixed - sum(p.fixed for p in parts)), parts
