@@ -1,7 +1,7 @@
 """What speculative decoding with the MTP head costs and gives on one device (issue 20, item 5).
 
-    python bench/mtp_speed.py (--checkpoint DIR | --preset bench --layers 8) --dtype bfloat16 --device cuda \
-        --out results.json [--slots 1,4] [--drafts 1,2,3,4] [--tokens 64]
+    python bench/mtp_speed.py (--checkpoint DIR | --preset bench --layers 8 [--quant ud-q4_k_xl --ple host]) \
+        --dtype bfloat16 --device cuda --out results.json [--slots 1,4] [--drafts 1,2,3,4] [--tokens 64]
 
 Measured, for each slot count:
 1. the verify step against a plain decode step: every slot busy at a short prompt's length, median of --repeats
@@ -220,6 +220,10 @@ def main() -> None:
     parser.add_argument("--drafts", default="1,2,3,4")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--quant", default=None, help="random weights: a GGUF mix's quantized weights as random "
+                        "blocks (ud-q4_k_xl), the MTP head kept dense as `mtp_weights` gives a GGUF one")
+    parser.add_argument("--ple", choices=("device", "host"), default="device",
+                        help="with --quant: the quantized PLE table on the device or in host memory")
     parser.add_argument("--oracle-only", action="store_true", help="skip section 1 (the steps' own timings)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -228,14 +232,17 @@ def main() -> None:
     if args.checkpoint:
         model = load_model(args.checkpoint, dtype=args.dtype, device=device, progress=False)
     else:
-        model = random_model(args.preset, layers=args.layers, dtype=args.dtype, device=device)
+        model = random_model(args.preset, layers=args.layers, dtype=args.dtype, device=device, quant=args.quant,
+                             mtp_head=True, ple_on_host=args.ple == "host")
     if model.mtp is None:
         raise SystemExit("error: the model has no MTP head")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip() or None
     result = {"date": datetime.date.today().isoformat(), "commit": commit, "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "model": args.checkpoint or f"random {args.preset}, {args.layers} layers", "dtype": args.dtype,
+              "model": args.checkpoint or f"random {args.preset}, {args.layers} layers"
+                       + (f", {args.quant} (the MTP head dense), PLE on the {args.ple}" if args.quant else ""),
+              "dtype": args.dtype,
               "load_s": round(time.perf_counter() - started, 1), "slots": {}}
     drafts = [int(k) for k in args.drafts.split(",")]
     for slots in (int(n) for n in args.slots.split(",")):

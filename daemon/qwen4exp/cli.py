@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 PRESET_MODELS = ("tiny", "bench", "full")
+MTP_WEIGHTS_HELP = ("a GGUF model's MTP head: the directory of a safetensors release of the same model (config.json, "
+                    "the index, the shards holding mtp.*)")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -19,7 +21,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 GENERATE_OVERRIDES = {"model": "model", "chunk": "chunk", "dtype": "dtype", "slots": "slots", "context": "max_ctx",
-                      "mtp": "mtp"}
+                      "mtp": "mtp", "mtp_weights": "mtp_weights"}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -166,7 +168,7 @@ def _settings(args: argparse.Namespace, keys: dict[str, str], extra: dict | None
 
 
 SERVE_OVERRIDES = {"model": "model", "host": "server.host", "port": "server.port", "max_ctx": "max_ctx",
-                   "slots": "slots", "chunk": "chunk", "dtype": "dtype", "mtp": "mtp"}
+                   "slots": "slots", "chunk": "chunk", "dtype": "dtype", "mtp": "mtp", "mtp_weights": "mtp_weights"}
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -307,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON document with ids, text and timings")
     gen.add_argument("--mtp", default=None, help="drafted tokens per step with the MTP head (0 to 7), or 'auto' "
                      "(default: the profile's); the answer is the same")
+    gen.add_argument("--mtp-weights", default=None, metavar="DIR", help=MTP_WEIGHTS_HELP)
     _add_set(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -321,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--chunk", default=None, help="prompt chunk in tokens, or 'auto'")
     srv.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     srv.add_argument("--mtp", default=None, help="drafted tokens per step with the MTP head (0 to 7), or 'auto'")
+    srv.add_argument("--mtp-weights", default=None, metavar="DIR", help=MTP_WEIGHTS_HELP)
     _add_set(srv)
     srv.set_defaults(func=cmd_serve)
 

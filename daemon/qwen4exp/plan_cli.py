@@ -51,6 +51,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     plan.add_argument("--ple", choices=["auto", "device", "host"], default=None,
                       help="where a GGUF's quantized PLE table lives (auto: host memory when that fits a longer "
                            "context on a GPU)")
+    plan.add_argument("--mtp-weights", default=None, metavar="DIR",
+                      help="a GGUF model's MTP head: the directory of a safetensors release of the same model (the "
+                           "profile's mtp_weights, kept unless --model names another model)")
     plan.add_argument("--json", action="store_true", help="print one JSON document")
     estimate = plan.add_argument_group(
         "estimate", "plan for a box that is not this one: the model's config and quantization alone, no weights "
@@ -128,10 +131,18 @@ def _config(args: argparse.Namespace):
              "max_ctx": None if args.max_ctx is None else _max_ctx(args.max_ctx),
              "device_memory_limit": parse_limit(args.device_memory_limit), "headroom": args.headroom}
     config = replace(config, **{key: value for key, value in flags.items() if value is not None})
+    config = replace(config, mtp_weights=_mtp_weights(args, config.mtp_weights))
     device = config.torch_device()
     if args.chunk is not None or args.profile is None:
         config = replace(config, chunk=_chunk(args.chunk or "auto", device))
     return config, device
+
+
+def _mtp_weights(args: argparse.Namespace, profiles: str | None) -> str | None:
+    """--mtp-weights, else the profile's head for the profile's model (none when --model names another)."""
+    if args.mtp_weights is not None:
+        return args.mtp_weights
+    return profiles if args.model is None else None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -262,6 +273,7 @@ def _estimate_inputs(args: argparse.Namespace) -> dict[str, Any]:
                                                                                   else "auto"),
                 chunk=chunk, ple=args.ple or (settings.ple if settings else "auto"), snapshots=snapshots,
                 mtp=settings.mtp if settings else "auto", hot_experts=settings.hot_experts if settings else 0,
+                mtp_weights=_mtp_weights(args, settings.mtp_weights if settings else None),
                 headroom=args.headroom if args.headroom is not None else (settings.headroom if settings else 0.1))
 
 
@@ -271,7 +283,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     try:
         inputs = _estimate_inputs(args)
-        facts = model_facts(inputs["model"], args.quant, inputs["dtype"])
+        facts = model_facts(inputs["model"], args.quant, inputs["dtype"], mtp_weights=inputs["mtp_weights"])
         est = estimate_plan(facts, inputs["target"], inputs["splits"], slots=inputs["slots"], chunk=inputs["chunk"],
                             ple=inputs["ple"], headroom=inputs["headroom"], snapshots_on_device=inputs["snapshots"],
                             max_ctx=inputs["max_ctx"], mtp=inputs["mtp"], hot_experts=inputs["hot_experts"])

@@ -14,15 +14,17 @@ from . import fp8, layout
 from .loader import checkpoint_files, headers
 
 
-def fp8_stacks(path: str | Path, config: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+def fp8_stacks(path: str | Path, config: dict[str, Any], only: str | None = None
+               ) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{stack name: (block type, dense shape)} of the tensors of an FP8 checkpoint that stay float8 on the device
     (model/quantized.py's QuantizedStack, where the model takes one: `kept_name`): those whose every piece is float8
-    and whose widths a block type takes. Empty for another checkpoint."""
+    and whose widths a block type takes. Empty for another checkpoint. `only`: of the tensors named so
+    (checkpoint_files')."""
     block = fp8.block_size(config, str(Path(path)))
     if block is None:
         return {}
     pieces: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
-    for name, (_, shape, dtype) in headers(checkpoint_files(path)).items():
+    for name, (_, shape, dtype) in headers(checkpoint_files(path, only)).items():
         target = layout.parse_disk_name(name).target
         if kept_name(target) is not None:
             pieces[target].append((dtype, shape))

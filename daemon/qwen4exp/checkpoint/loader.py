@@ -88,8 +88,10 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
-def checkpoint_files(path: str | Path) -> dict[str, Path]:
-    """{tensor name: file} from the index, or from the single model.safetensors; missing files are an error."""
+def checkpoint_files(path: str | Path, only: str | None = None) -> dict[str, Path]:
+    """{tensor name: file} from the index, or from the single model.safetensors; missing files are an error.
+    `only`: the tensors whose names start with it, so only the shards that hold them must be there (the MTP head
+    taken from a checkpoint of which just those shards were downloaded)."""
     root = _root(path)
     index_file = root / INDEX_FILE
     if index_file.is_file():
@@ -97,7 +99,7 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
             weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index_file}: not a safetensors index ({exc})") from exc
-        files = {name: root / file for name, file in weight_map.items()}
+        files = {name: root / file for name, file in weight_map.items() if only is None or name.startswith(only)}
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name, file in files.items():
             by_file[file].append(name)
@@ -108,7 +110,7 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
     single = root / SINGLE_FILE
     if single.is_file():
         with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}
+            return {name: single for name in f.keys() if only is None or name.startswith(only)}
     raise CheckpointError(f"no {INDEX_FILE} or {SINGLE_FILE} in {root}")
 
 
@@ -301,8 +303,10 @@ def load_weights(
     dtype: torch.dtype,
     device: str | torch.device | None = None,
     progress: bool = True,
+    only: str | None = None,
 ) -> LoadReport:
-    """Copy every checkpoint tensor into `module`'s parameters and buffers (runtime names) in place.
+    """Copy every checkpoint tensor into `module`'s parameters and buffers (runtime names) in place; with `only`
+    (a name prefix, "mtp."), just the tensors and parameters under it (checkpoint_files' `only`).
 
     Floating tensors are cast to `dtype` as they are read (a parameter the module keeps in another dtype, such as
     an fp32 A_log, then receives its own dtype), a float8 weight of an FP8 checkpoint first dequantized by its
@@ -311,10 +315,15 @@ def load_weights(
     """
     start = time.perf_counter()
     root = _root(path)
-    targets = module.state_dict(keep_vars=True)
+    targets = {name: t for name, t in module.state_dict(keep_vars=True).items()
+               if only is None or name.startswith(only)}
     block = fp8.block_size(read_config(path), str(root))
-    kept = {name: m for name, m in module.named_modules() if isinstance(m, QuantizedStack)}
-    plan = _plan(checkpoint_files(path), targets, block, kept)
+    kept = {name: m for name, m in module.named_modules() if isinstance(m, QuantizedStack)
+            and (only is None or name.startswith(only))}
+    files = checkpoint_files(path, only)
+    if only is not None and not files:
+        raise CheckpointError(f"{root}: no tensor of the checkpoint is named {only}*")
+    plan = _plan(files, targets, block, kept)
     if plan.unexpected:
         raise CheckpointError(
             f"{root}: {len(plan.unexpected)} checkpoint tensors match nothing in the model: {_some(plan.unexpected)}"

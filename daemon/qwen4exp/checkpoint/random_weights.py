@@ -65,7 +65,8 @@ def fill_random_stacks(model: Qwen4ExpForCausalLM, seed: int) -> int:
 
 def random_model(preset: str = "bench", layers: int | None = None, dtype: torch.dtype | str = torch.bfloat16,
                  device: str | torch.device | None = None, seed: int = 0, progress: bool = False,
-                 quant: str | None = None, placement=None, ple_on_host: bool = False) -> Qwen4ExpForCausalLM:
+                 quant: str | None = None, placement=None, ple_on_host: bool = False,
+                 mtp_head: bool | None = None) -> Qwen4ExpForCausalLM:
     """The model of `preset` (optionally cut to `layers` layers) with random weights, built on `device`.
 
     Equal, tensor for tensor, to loading a checkpoint that `write_random_checkpoint` wrote with the same
@@ -75,12 +76,13 @@ def random_model(preset: str = "bench", layers: int | None = None, dtype: torch.
     full model at UD-Q4_K_XL without the 104 GiB file), and there is no MTP head, as in a GGUF. With quant "fp8",
     the weights Qwen's FP8 checkpoint keeps float8 are random FP8 blocks (the full model in FP8 without its 173 GiB;
     the MTP head kept). `placement` and `ple_on_host` are build_model's: layers built on split devices in place
-    (the full model over two GPUs), a quantized PLE table in host memory."""
+    (the full model over two GPUs), a quantized PLE table in host memory. `mtp_head` True keeps the head with a GGUF
+    mix too (a GGUF served with `mtp_weights`: the head dense, as Qwen's bfloat16 release gives it)."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     device = device if isinstance(device, torch.device) else resolve_device(device)
     config = preset_config(preset, layers, dtype=_dtype_label(dtype))
     text = config["text_config"]
-    if quant and quant != "fp8":
+    if quant and quant != "fp8" and not mtp_head:
         text["mtp_num_hidden_layers"] = 0          # llama.cpp's converter drops the MTP head
     cfg = ModelConfig.from_dict(config, source=f"preset {preset!r}")
     if quant == "fp8":

@@ -28,13 +28,17 @@ def check_profile(profile: str | Path | None = None, *, overrides: Mapping[str, 
     sources = {key: source for key, _, source in explain(settings)}
     for message in _device_warnings(settings) + _policy_warnings(settings, sources):
         warnings.warn(message, ConfigWarning, stacklevel=2)
-    _check_model(settings, sources["model"])     # after the warnings, so a missing model does not hide them
+    # After the warnings, so a missing model does not hide them.
+    _check_model(settings, sources["model"], sources.get("mtp_weights", "mtp_weights"))
     return settings
 
 
-def _check_model(settings: Settings, source: str) -> None:
-    """The checkpoint's config and weight files (or the GGUF's metadata and tensor types), read from headers and
-    the index only (no tensor data)."""
+def _check_model(settings: Settings, source: str, head_from: str) -> None:
+    """The checkpoint's config and weight files (or the GGUF's metadata and tensor types, and the MTP head that
+    `mtp_weights` gives it), read from headers and the index only (no tensor data)."""
+    if settings.mtp_weights is not None and (settings.model == "tiny" or not settings.model.endswith(".gguf")):
+        raise ConfigError(f"{head_from}: mtp_weights gives a GGUF model its MTP head; model = {settings.model!r} is "
+                          f"not a .gguf file (a safetensors checkpoint brings its own head, or has none)")
     if settings.model == "tiny":
         return                                  # written on first use; nothing to find
     from ..checkpoint.errors import CheckpointError
@@ -49,10 +53,16 @@ def _check_model(settings: Settings, source: str) -> None:
     if is_gguf(path):
         try:
             checkpoint = GGUFCheckpoint(path)
-            checkpoint.model_config()
+            cfg = checkpoint.model_config()
             checkpoint.check_types()
         except (CheckpointError, ValueError) as err:
             raise ConfigError(f"{source}: model = {str(path)!r} is not a usable GGUF: {err}") from None
+        if settings.mtp_weights is not None:
+            from ..checkpoint.mtp_weights import head_source
+            try:
+                head_source(settings.mtp_weights, cfg, str(path))
+            except CheckpointError as err:
+                raise ConfigError(f"{head_from}: {err}") from None
         return
     if not path.is_dir():
         what = "no such directory" if not path.exists() else "not a directory"

@@ -61,6 +61,7 @@ class EngineConfig:
     batch_prompts: bool = False           # several slots' prompt chunks in one forward (engine.py)
     ple: str = "auto"                     # where a GGUF's quantized PLE table lives: "device", "host", or "auto"
     mtp: int | str = "auto"               # most drafted tokens per slot and step, or "auto" (speculative.py)
+    mtp_weights: str | None = None        # a GGUF model's MTP head: a safetensors checkpoint's directory
     split: tuple[tuple[str, int | None], ...] = ()   # devices holding layers beside the target: (name, memory limit)
     hot_experts: int = 0                  # a split layer's most routed experts also kept on the target (hot_experts.py)
     placement: Any = None                 # placement.Placement once decided (a reload keeps it), else None
@@ -91,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"engine setting ple must be 'auto', 'device' or 'host', got {self.ple!r}")
         if self.mtp != "auto":
             _whole("mtp", self.mtp, 0, MAX_DRAFTS)
+        if self.mtp_weights is not None and (not isinstance(self.mtp_weights, str) or not self.mtp_weights):
+            raise ValueError(f"engine setting mtp_weights must be a checkpoint directory, got {self.mtp_weights!r}")
         _whole("hot_experts", self.hot_experts, 0)
         for entry in self.split:
             if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and entry[0]
@@ -105,6 +108,8 @@ class EngineConfig:
     def from_settings(cls, settings) -> "EngineConfig":
         """The engine a profile serves (config.Settings, already validated): every engine-side key, with the
         model's directory resolved and the target's own memory limit taking precedence."""
+        from pathlib import Path
+
         from ..model_dir import resolve_model
 
         target, cache = settings.target, settings.prefix_cache
@@ -116,6 +121,7 @@ class EngineConfig:
                    queue_limit=settings.server.queue_limit, cuda_graphs=settings.cuda_graphs,
                    compile_decode=settings.compile_decode, decode_beside_prompts=settings.decode_beside_prompts,
                    batch_prompts=settings.batch_prompts, ple=settings.ple, mtp=settings.mtp,
+                   mtp_weights=str(Path(settings.mtp_weights).expanduser().resolve()) if settings.mtp_weights else None,
                    split=tuple((d.name, settings.memory_limit_for(d)) for d in settings.split_devices),
                    hot_experts=settings.hot_experts)
 
@@ -158,7 +164,7 @@ class EngineConfig:
         if self.split and placement is None:
             placement, ple_on_host = self.choose_placement(device)
         model = load_model(self.model, dtype=self.dtype_on(device), device=device, progress=progress,
-                           ple_on_host=ple_on_host, placement=placement)
+                           ple_on_host=ple_on_host, placement=placement, mtp_weights=self.mtp_weights)
         self.keep_hot_experts(model, hot_counts)
         return device, model
 
@@ -193,7 +199,7 @@ class EngineConfig:
         from .snapshot import snapshots_share_device_memory
 
         try:
-            facts = facts or model_facts(self.model, None, self.dtype_on(device))
+            facts = facts or model_facts(self.model, None, self.dtype_on(device), mtp_weights=self.mtp_weights)
             reserve = self.host_snapshot_reserve(device)
             est = estimate_plan(facts, measured_size("target", device, self.device_memory_limit),
                                 tuple(measured_size("split", name, limit, reserve) for name, limit in self.split),

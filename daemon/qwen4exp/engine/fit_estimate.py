@@ -99,10 +99,11 @@ def _torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def model_facts(model: str, quant: str | None, dtype: str, layers: int | None = None) -> ModelFacts:
+def model_facts(model: str, quant: str | None, dtype: str, layers: int | None = None,
+                mtp_weights: str | None = None) -> ModelFacts:
     """The model named by `--model` (a preset, `tiny`, a checkpoint directory or a .gguf file; the GGUF's header only)
     at `quant` (a gguf_writer mix or block type, for presets and directories) in `dtype`; a preset cut to `layers`
-    as random_model cuts it."""
+    as random_model cuts it; a GGUF's with the MTP head `mtp_weights` gives it (its headers only)."""
     from ..checkpoint.errors import CheckpointError
     from ..checkpoint.fp8 import block_size as fp8_block
     from ..checkpoint.gguf_loader import quantized_stacks
@@ -115,6 +116,7 @@ def model_facts(model: str, quant: str | None, dtype: str, layers: int | None = 
         if quant not in MIXES + ONE_TYPE + ("fp8",):
             raise EstimateError(f"--quant {given!r}: choose one of {', '.join(MIXES + ONE_TYPE)}, or fp8 (Qwen's "
                                 f"FP8 checkpoint)")
+    head_stacks = {}
     try:
         if model in PRESETS:
             from ..checkpoint.presets import preset_config
@@ -129,6 +131,10 @@ def model_facts(model: str, quant: str | None, dtype: str, layers: int | None = 
             from ..checkpoint.gguf_file import GGUFCheckpoint
             source = GGUFCheckpoint(model)                  # headers only: no tensor is read
             cfg, label = source.model_config(), str(model)
+            if mtp_weights:
+                from ..checkpoint.mtp_weights import head_source
+                head = head_source(mtp_weights, cfg, label)
+                cfg, head_stacks = head.cfg, head.stacks
         else:
             from ..checkpoint.loader import read_config
             from ..model_dir import EMBEDDED_MODEL
@@ -146,7 +152,7 @@ def model_facts(model: str, quant: str | None, dtype: str, layers: int | None = 
         raise EstimateError(f"--model {model}: {err}") from None
     stacks = {}
     if source is not None:
-        stacks = quantized_stacks(source, cfg)
+        stacks = quantized_stacks(source, cfg) | head_stacks
     elif quant == "fp8":
         stacks = planned_fp8_stacks(cfg)
     elif quant is not None:

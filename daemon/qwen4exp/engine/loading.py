@@ -9,7 +9,9 @@ import torch
 from ..checkpoint.gguf_file import GGUFCheckpoint, is_gguf
 from ..checkpoint.gguf_loader import load_gguf_weights, quantized_stacks
 from ..checkpoint.fp8_stacks import fp8_stacks
+from ..checkpoint.errors import CheckpointError
 from ..checkpoint.loader import load_weights, read_config
+from ..checkpoint.mtp_weights import head_source, load_head
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
 from .model.ple import NGramEmbedding
@@ -78,17 +80,27 @@ def model_config(path: str) -> ModelConfig:
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | torch.device | None = None,
-               progress: bool = True, ple_on_host: bool = False, placement: Placement | None = None
-               ) -> Qwen4ExpForCausalLM:
+               progress: bool = True, ple_on_host: bool = False, placement: Placement | None = None,
+               mtp_weights: str | None = None) -> Qwen4ExpForCausalLM:
+    """The model of `path` (a checkpoint directory or a GGUF) in `dtype` on `device`; `mtp_weights`: the directory
+    of a safetensors checkpoint of the same model whose MTP head a GGUF's model takes (checkpoint/mtp_weights.py)."""
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     device = device if isinstance(device, torch.device) else resolve_device(device)
     if is_gguf(path):
         checkpoint = GGUFCheckpoint(path)
         cfg = checkpoint.model_config()
-        model = build_model(cfg, dtype, device, quantized_stacks(checkpoint, cfg), ple_on_host, placement)
+        head = head_source(mtp_weights, cfg, str(path)) if mtp_weights else None
+        cfg = head.cfg if head else cfg
+        model = build_model(cfg, dtype, device, quantized_stacks(checkpoint, cfg) | (head.stacks if head else {}),
+                            ple_on_host, placement)
         report = load_gguf_weights(checkpoint, model, cfg)
         log.info("loaded %s: %s", path, report)
+        if head:
+            log.info("loaded the MTP head from %s: %s", head.path, load_head(head, model, dtype, device, progress))
         return model
+    if mtp_weights:
+        raise CheckpointError(f"mtp_weights = {mtp_weights!r} gives a GGUF model its MTP head; {path} is a "
+                              f"safetensors checkpoint, which brings its own (or has none)")
     cfg = model_config(path)
     # An FP8 checkpoint's float8 experts and PLE table stay float8 (checkpoint/fp8.py).
     model = build_model(cfg, dtype, device, fp8_stacks(path, read_config(path)), ple_on_host, placement)

@@ -80,7 +80,8 @@ class Drafter:
                  most: int, adaptive: bool = True, graphs: bool = False):
         if model.mtp is None:
             raise ValueError("mtp: this checkpoint has no MTP head (mtp_num_hidden_layers = 0; a GGUF converted by "
-                             "llama.cpp drops it): set mtp = 0")
+                             "llama.cpp drops it): set mtp = 0, or for a GGUF mtp_weights to a safetensors release of "
+                             "the same model, whose head it then takes")
         self.model, self.pool, self.rope = model, pool, rope
         self.length = DraftLength(most, adaptive)
         self.device = model.lm_head.weight.device
