@@ -1,7 +1,7 @@
 """Where a decode step and a prompt chunk spend their time on a GPU.
 
     python bench/profile_step.py [--checkpoint DIR | --preset bench|full [--layers N] [--quant ud-q4_k_xl]]
-        [--slots 4] [--prompt 4096] [--long 16384] --out profile.txt
+        [--slots 4] [--prompt 4096] [--long 16384] [--chunks-only] --out profile.txt
 
 1. decode ms per step (1 and `--slots` busy) for each decode mode: the CUDA graph, the eager step, and the
    graph of the torch.compile'd step (`--compile`);
@@ -9,6 +9,8 @@
    for one prompt chunk at position 0;
 3. with `--long N`: each chunk's wall time for an N-token prompt (chunks of `--prompt`), and the profile of
    its last chunk, where attention sees the longest prefix.
+`--chunks-only` skips 1 and the decode profile (a prompt chunk's profile on the full model without building
+three engines).
 """
 
 from __future__ import annotations
@@ -70,6 +72,22 @@ def decode_ms(engine: Engine, busy: int, prompt: int, steps: int, limit: int) ->
     return elapsed
 
 
+def profile_eager_decode(engine: Engine, slots: int, prompt: int, steps: int, rows: int, limit: int) -> list[str]:
+    """The profile of 10 eager decode steps with one busy slot at a context of `prompt` tokens."""
+    requests = submit_busy(engine, 1, prompt, 4 * steps, limit, seed=0)
+    for _ in range(3):
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+    for r in requests:
+        engine.cancel(r.id)
+    engine.run_until_idle()
+    return [f"== 10 eager decode steps, 1 busy of {slots} slots, context {prompt}",
+            prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)]
+
+
 def profile_long_prompt(engine: Engine, length: int, chunk: int, rows: int, limit: int) -> list[str]:
     """Each chunk's wall time (synchronised) for one `length`-token prompt, then its last chunk's profile."""
     g = torch.Generator().manual_seed(11)
@@ -105,14 +123,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=40)
     parser.add_argument("--long", type=int, default=0, help="also time and profile the chunks of this prompt")
     parser.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
+    parser.add_argument("--chunks-only", action="store_true",
+                        help="skip the decode timings and profile (1, 2): the prompt chunks alone")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     model = bench_model(args)
     limit = model.config.eos_token_id
     context = max(args.prompt, args.long) + 4 * args.steps + 64
     report, timings = [], {}
-    modes = {"graph": {}, "eager": {"cuda_graphs": False}}
-    if args.compile:
+    modes = {} if args.chunks_only else {"graph": {}, "eager": {"cuda_graphs": False}}
+    if args.compile and not args.chunks_only:
         modes["compiled graph"] = {"compile_decode": True}
     for mode, options in modes.items():
         engine = None
@@ -132,19 +152,13 @@ def main() -> None:
 
     engine = Engine.from_config(model, EngineConfig(slots=args.slots, max_ctx=context, chunk=args.prompt,
                                                     cuda_graphs=False))
-    requests = submit_busy(engine, 1, args.prompt, 4 * args.steps, limit, seed=0)
-    for _ in range(3):
-        engine.step()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            engine.step()
-        torch.cuda.synchronize()
-    report.append(f"== 10 eager decode steps, 1 busy of {args.slots} slots, context {args.prompt}")
-    report.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
-    for r in requests:
-        engine.cancel(r.id)
-    engine.run_until_idle()
+    if not args.chunks_only:
+        report += profile_eager_decode(engine, args.slots, args.prompt, args.steps, args.rows, limit)
     g = torch.Generator().manual_seed(7)
+    warm = engine.submit(Request(prompt_ids=torch.randint(0, limit, (args.prompt,), generator=g).tolist(),
+                                 max_tokens=1))
+    engine.run_until_idle()                       # a chunk of this length ran once before the profiled one
+    assert warm.output_ids
     fresh = engine.submit(Request(prompt_ids=torch.randint(0, limit, (args.prompt,), generator=g).tolist(),
                                   max_tokens=1))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -152,6 +166,7 @@ def main() -> None:
         torch.cuda.synchronize()
     report.append(f"== one {args.prompt}-token prompt chunk at position 0")
     report.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
+    print("\n".join(report[-2:]), flush=True)
     engine.run_until_idle()
     assert fresh.output_ids
     if args.long:

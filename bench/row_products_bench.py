@@ -38,6 +38,7 @@ def candidates(planned: dict) -> dict[str, dict]:
                          ("block_k 512", {"BLOCK_K": 512}),
                          ("split x2", {"SPLIT_K": planned["SPLIT_K"] * 2}),
                          ("split x4", {"SPLIT_K": planned["SPLIT_K"] * 4}), ("stages 2", {"num_stages": 2}),
+                         ("stages 1", {"num_stages": 1}),
                          ("warps 8", {"num_warps": 8}), ("warps 2", {"num_warps": 2})):
         config = planned | change
         if config != planned and config not in out.values():
