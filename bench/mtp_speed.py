@@ -212,6 +212,8 @@ def _oracle_run(model, slots: int, tokens: int, device: torch.device, context: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default=None, help="a checkpoint with an MTP head (else random weights)")
+    parser.add_argument("--mtp-weights", default=None, help="with a GGUF --checkpoint: the safetensors release whose "
+                        "MTP head it takes (the profile key mtp_weights)")
     parser.add_argument("--preset", default="bench")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16")
@@ -230,7 +232,8 @@ def main() -> None:
     device = torch.device(args.device)
     started = time.perf_counter()
     if args.checkpoint:
-        model = load_model(args.checkpoint, dtype=args.dtype, device=device, progress=False)
+        model = load_model(args.checkpoint, dtype=args.dtype, device=device, progress=False,
+                           mtp_weights=args.mtp_weights)
     else:
         model = random_model(args.preset, layers=args.layers, dtype=args.dtype, device=device, quant=args.quant,
                              mtp_head=True, ple_on_host=args.ple == "host")

@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=0, help="also time and profile the chunks of this prompt")
     parser.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
     parser.add_argument("--chunks-only", action="store_true",
-                        help="skip the decode timings and profile (1, 2): the prompt chunks alone")
+                        help="skip the decode timings (1) and the eager decode profile (2): the prompt chunks alone")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     model = bench_model(args)
@@ -148,12 +148,14 @@ def main() -> None:
             timings[mode] = {"error": f"{type(err).__name__}: {err}"[:2000]}
         print(mode, timings[mode], flush=True)
         del engine
-    report.append(json.dumps(timings, indent=1))
+    if timings:
+        report.append(json.dumps(timings, indent=1))
 
     engine = Engine.from_config(model, EngineConfig(slots=args.slots, max_ctx=context, chunk=args.prompt,
                                                     cuda_graphs=False))
     if not args.chunks_only:
         report += profile_eager_decode(engine, args.slots, args.prompt, args.steps, args.rows, limit)
+        print("\n".join(report[-2:]), flush=True)
     g = torch.Generator().manual_seed(7)
     warm = engine.submit(Request(prompt_ids=torch.randint(0, limit, (args.prompt,), generator=g).tolist(),
                                  max_tokens=1))
@@ -171,9 +173,8 @@ def main() -> None:
     assert fresh.output_ids
     if args.long:
         report += profile_long_prompt(engine, args.long, args.prompt, args.rows, limit)
-    text = "\n".join(report)
-    open(args.out, "w").write(text)
-    print(text)
+        print("\n".join(report[-3:]), flush=True)
+    open(args.out, "w").write("\n".join(report))
 
 
 if __name__ == "__main__":

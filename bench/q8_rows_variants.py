@@ -33,15 +33,16 @@ from qwen4exp.checkpoint.gguf_blocks import fill_random_blocks
 from qwen4exp.kernels import block_products, row_products
 from qwen4exp.kernels.guard import interpreted
 from qwen4exp.kernels.quant_tiles import dequantize_groups, dequantize_rows
-from qwen4exp.kernels.rounding import add_parts
+from qwen4exp.kernels.rounding import add_parts, round_to
 
 SHAPES = [(248320, 2560), (16480, 2560), (2560, 6144), (2560, 2560), (324, 10240), (12288, 2560), (1024, 2560),
           (2560, 640)]
 L2_BYTES = 256 << 20
 
 
-@triton.jit
-def _fma_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, row_bytes, part_k, LAYOUT: tl.constexpr,
+@triton.jit(do_not_specialize=["rows", "n"])   # as the shipped kernel
+def _fma_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, row_bytes, part_k, quants_at,
+                INTERPRETED: tl.constexpr, LAYOUT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     """out[:, block] = x @ w[block].T as float32 multiply-adds: for each tile, x [M, 1, K] x w [1, N, K] summed
     over K."""
@@ -63,8 +64,9 @@ def _fma_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, row_byte
             w = tl.load(w_ptr + feats.to(tl.int64)[:, None] * k + start + ks[None, :],
                         mask=f_ok[:, None] & (start + ks < end)[None, :], other=0.0).to(tl.float32)
         elif LAYOUT == 1:
-            q = tl.load(row[:, None] + k // 16 + start + ks[None, :], mask=f_ok[:, None] & (start + ks < end)[None, :],
-                        other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            q = tl.load(row[:, None] + quants_at + start + ks[None, :],
+                        mask=f_ok[:, None] & (start + ks < end)[None, :], other=0)
+            q = q.to(tl.int8, bitcast=True).to(tl.float32)
             g = tl.arange(0, groups)
             s = tl.load(row.to(tl.pointer_type(tl.float16))[:, None] + start // 32 + g[None, :],
                         mask=f_ok[:, None] & (start + g * 32 < end)[None, :], other=0.0).to(tl.float32)
@@ -74,18 +76,18 @@ def _fma_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, row_byte
             lane = tl.arange(0, 32)[None, None, :]
             w = tl.reshape(dequantize_groups(row[:, None, None], col, lane, (col < end) & f_ok[:, None, None], w_ptr,
                                              "Q8_0"), [BLOCK_N, BLOCK_K])
-        w = w.to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = round_to(w, x_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
     offsets = m[:, None].to(tl.int64) * n + feats[None, :]
     ok = (m < rows)[:, None] & f_ok[None, :]
     if not SPLIT:
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + offsets, round_to(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
     else:
         tl.store(parts_ptr + part * rows * n + offsets, acc, mask=ok)
 
 
-@triton.jit
-def _split_dot_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, row_bytes, part_k,
+@triton.jit(do_not_specialize=["rows", "n"])   # as the shipped kernel
+def _split_dot_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, row_bytes, part_k, quants_at,
                       INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       SPLIT: tl.constexpr):
     """The shipped kernel's tensor-core product over the split layout: the [K, N] tile loaded from the quants."""
@@ -103,20 +105,20 @@ def _split_dot_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, ro
     for start in range(begin, end, BLOCK_K):
         x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride + start + ks[None, :],
                     mask=(m < rows)[:, None] & (start + ks < end)[None, :], other=0.0)
-        q = tl.load(row[None, :] + k // 16 + start + ks[:, None], mask=f_ok[None, :] & (start + ks < end)[:, None],
+        q = tl.load(row[None, :] + quants_at + start + ks[:, None], mask=f_ok[None, :] & (start + ks < end)[:, None],
                     other=0).to(tl.int8, bitcast=True).to(tl.float32)
         g = tl.arange(0, groups)
         s = tl.load(row.to(tl.pointer_type(tl.float16))[None, :] + start // 32 + g[:, None],
                     mask=f_ok[None, :] & (start + g * 32 < end)[:, None], other=0.0).to(tl.float32)
         w = tl.reshape(tl.reshape(q, [groups, 32, BLOCK_N]) * s[:, None, :], [BLOCK_K, BLOCK_N])
-        w = w.to(x_ptr.dtype.element_ty)
+        w = round_to(w, x_ptr.dtype.element_ty, INTERPRETED)
         if INTERPRETED:                       # the interpreter's dot takes no bfloat16
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(x, w, acc)
     offsets = m[:, None].to(tl.int64) * n + feats[None, :]
     ok = (m < rows)[:, None] & f_ok[None, :]
     if not SPLIT:
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_ptr + offsets, round_to(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
     else:
         tl.store(parts_ptr + part * rows * n + offsets, acc, mask=ok)
 
@@ -137,7 +139,9 @@ def launch(kernel, x, w, n, k, config: dict, **flags) -> torch.Tensor:
     parts_n = triton.cdiv(k, part_k)
     parts = torch.empty(parts_n, rows, n, device=x.device, dtype=torch.float32) if parts_n > 1 else out
     block_m = config.pop("BLOCK_M", 16)
+    # The quants' offset in a split row is an argument, so Triton sees when it is a multiple of 16 (loads in vectors).
     kernel[(triton.cdiv(n, config["BLOCK_N"]), parts_n)](x, w, out, parts, rows, n, k, x.stride(0), w.shape[1], part_k,
+                                                          k // 16,
                                                           BLOCK_M=block_m, SPLIT=parts_n > 1, **flags, **config)
     if parts_n > 1:
         add_parts(parts, out)
@@ -175,8 +179,9 @@ def run(kernel, layout, config, x, blocks, split, twin, n, k):
     if kernel == "twin":
         return row_products.row_products(x, twin)
     weight = {"split": split, "blocks": blocks, "twin": twin}[layout]
-    flags = {"LAYOUT": ("blocks", "split", "twin").index(layout)} if kernel is _fma_kernel else \
-        {"INTERPRETED": interpreted(x)}
+    flags = {"INTERPRETED": interpreted(x)}
+    if kernel is _fma_kernel:
+        flags["LAYOUT"] = ("blocks", "split", "twin").index(layout)
     return launch(kernel, x, weight, n, k, config, **flags)
 
 

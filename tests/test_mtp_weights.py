@@ -65,7 +65,9 @@ def test_a_gguf_drafts_with_the_head_of_its_safetensors_release_and_answers_as_w
         _, plain = _answers(headless, slots)
         engine, drafted = _answers(model, slots, mtp=3)
         assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
-        # The trained head's drafts are taken as they are from the safetensors model (52% of first drafts there).
+        # The float32 GGUF holds the safetensors model's values: its head drafts and is taken exactly as there.
+        reference, _ = _answers(whole, slots, mtp=3)
+        assert vars(engine.drafter.counters) == vars(reference.drafter.counters)
         assert engine.drafter.counters.accepted_at[0] * 3 > engine.drafter.counters.verify_steps
 
 
@@ -144,7 +146,8 @@ def test_a_head_that_does_not_fit_the_gguf_is_refused_by_its_key(embedded_gguf, 
 def test_where_a_head_cannot_come_from_is_said(embedded_gguf, tmp_path):
     with pytest.raises(CheckpointError, match="no such directory"):
         load_model(str(embedded_gguf), dtype="float32", device="cpu", progress=False, mtp_weights=str(tmp_path / "x"))
-    with pytest.raises(ConfigError, match=r"mtp_weights gives a GGUF model its MTP head; model = 'tiny' is not"):
+    with pytest.raises(ConfigError, match=r"command line: mtp_weights: gives a GGUF model its MTP head; model = "
+                                          r"'tiny' is a safetensors checkpoint"):
         check_profile(overrides={"model": "tiny", "mtp_weights": str(EMBEDDED_MODEL)})
     with pytest.raises(CheckpointError, match="is a safetensors checkpoint, which brings its own"):
         load_model(str(EMBEDDED_MODEL), dtype="float32", device="cpu", progress=False,
@@ -170,3 +173,30 @@ def test_a_random_gguf_mix_keeps_a_dense_head_when_asked():
     _, plain = _answers(random_model("tiny", dtype="float32", device="cpu", quant="ud-q4_k_xl"), 2)
     _, drafted = _answers(model, 2, mtp=2)
     assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+
+
+def test_a_profile_names_the_head_beside_itself_and_plan_counts_it(embedded_gguf, tmp_path):
+    """A relative mtp_weights is relative to the profile (as model is), so a daemon started from / finds it; `check`
+    reads the head's config; `plan --estimate` counts the head's weights and its cache; a profile that pairs a head
+    with a safetensors model is refused at load, naming the key."""
+    from qwen4exp.config import load_settings
+    from qwen4exp.engine.fit_estimate import EstimateError, model_facts
+
+    shutil.copytree(EMBEDDED_MODEL, tmp_path / "release")
+    shutil.copy(embedded_gguf, tmp_path / "tiny.gguf")
+    profile = tmp_path / "p.toml"
+    profile.write_text('model = "tiny.gguf"\nmtp_weights = "release"\n')
+    settings = check_profile(profile)
+    assert settings.mtp_weights == str(tmp_path / "release")
+    assert EngineConfig.from_settings(settings).mtp_weights == str(tmp_path / "release")
+    with_head = model_facts(str(embedded_gguf), None, "float32", mtp_weights=str(tmp_path / "release"))
+    without = model_facts(str(embedded_gguf), None, "float32")
+    head = sum(t.numel() for name, t in load_model(str(EMBEDDED_MODEL), dtype="float32", device="cpu",
+                                                   progress=False).state_dict().items() if name.startswith("mtp."))
+    assert with_head.weights - without.weights == head * 4
+    assert with_head.per_position > without.per_position          # the head's attention cache
+    with pytest.raises(EstimateError, match="gives a GGUF model its MTP head; --model tiny is not one"):
+        model_facts("tiny", None, "float32", mtp_weights=str(tmp_path / "release"))
+    profile.write_text('model = "release"\nmtp_weights = "release"\n')
+    with pytest.raises(ConfigError, match=r"mtp_weights.*is a safetensors checkpoint, which brings its own head"):
+        load_settings(profile)

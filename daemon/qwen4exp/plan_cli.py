@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -52,8 +53,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       help="where a GGUF's quantized PLE table lives (auto: host memory when that fits a longer "
                            "context on a GPU)")
     plan.add_argument("--mtp-weights", default=None, metavar="DIR",
-                      help="a GGUF model's MTP head: the directory of a safetensors release of the same model (the "
-                           "profile's mtp_weights, kept unless --model names another model)")
+                      help="a GGUF model's MTP head: the directory of a safetensors release of the same model "
+                           "(default: the profile's mtp_weights)")
     plan.add_argument("--json", action="store_true", help="print one JSON document")
     estimate = plan.add_argument_group(
         "estimate", "plan for a box that is not this one: the model's config and quantization alone, no weights "
@@ -131,18 +132,12 @@ def _config(args: argparse.Namespace):
              "max_ctx": None if args.max_ctx is None else _max_ctx(args.max_ctx),
              "device_memory_limit": parse_limit(args.device_memory_limit), "headroom": args.headroom}
     config = replace(config, **{key: value for key, value in flags.items() if value is not None})
-    config = replace(config, mtp_weights=_mtp_weights(args, config.mtp_weights))
+    if args.mtp_weights is not None:
+        config = replace(config, mtp_weights=str(Path(args.mtp_weights).expanduser().resolve()))
     device = config.torch_device()
     if args.chunk is not None or args.profile is None:
         config = replace(config, chunk=_chunk(args.chunk or "auto", device))
     return config, device
-
-
-def _mtp_weights(args: argparse.Namespace, profiles: str | None) -> str | None:
-    """--mtp-weights, else the profile's head for the profile's model (none when --model names another)."""
-    if args.mtp_weights is not None:
-        return args.mtp_weights
-    return profiles if args.model is None else None
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -157,7 +152,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config, device = _config(args)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    _, model = config.load_model(progress=not args.json)
+    try:
+        _, model = config.load_model(progress=not args.json)
+    except ValueError as err:            # a checkpoint or head that does not load (CheckpointError), said plainly
+        raise SystemExit(f"error: {err}") from None
     # What plan asks beyond the engine's own settings: whether to verify the answer, and
     # where snapshots would live (--snapshots; "auto" is where `serve` puts them).
     extra: dict[str, Any] = dict(verify=not args.no_verify)
@@ -273,7 +271,7 @@ def _estimate_inputs(args: argparse.Namespace) -> dict[str, Any]:
                                                                                   else "auto"),
                 chunk=chunk, ple=args.ple or (settings.ple if settings else "auto"), snapshots=snapshots,
                 mtp=settings.mtp if settings else "auto", hot_experts=settings.hot_experts if settings else 0,
-                mtp_weights=_mtp_weights(args, settings.mtp_weights if settings else None),
+                mtp_weights=args.mtp_weights or (settings.mtp_weights if settings else None),
                 headroom=args.headroom if args.headroom is not None else (settings.headroom if settings else 0.1))
 
 

@@ -20,11 +20,16 @@ from ..engine.model.config import ConfigError, ModelConfig
 from .errors import CheckpointError
 from .layout import MTP_PREFIX
 
-# What the head's layer (QSA attention, MoE, hyper-connections) and the shared embedding and LM head are built from.
+# What the head's layer (QSA attention, MoE, hyper-connections) and the shared embedding and LM head are built from,
+# and the depth and kinds of the layers whose final streams it was trained on.
 HEAD_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
                "partial_rotary_factor", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                "shared_expert_intermediate_size", "norm_topk_prob", "hc_count", "hc_lowrank", "indexer_n_heads",
-               "indexer_head_dim", "indexer_budget", "indexer_compress_ratio", "rms_norm_eps")
+               "indexer_head_dim", "indexer_budget", "indexer_compress_ratio", "rms_norm_eps", "num_hidden_layers",
+               "layer_types")
+# Where config.json keeps the fields whose ModelConfig names differ.
+CONFIG_KEYS = {"rope_theta": "rope_parameters.rope_theta",
+               "partial_rotary_factor": "rope_parameters.partial_rotary_factor"}
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ def head_source(path: str | Path, model_cfg: ModelConfig, model_label: str) -> H
     from .fp8_stacks import fp8_stacks
     from .loader import checkpoint_files, read_config
 
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_dir():
         what = "no such directory" if not path.exists() else "not a directory"
         raise CheckpointError(f"mtp_weights = {str(path)!r}: {what}; point it at the directory of a safetensors "
@@ -63,9 +68,10 @@ def head_source(path: str | Path, model_cfg: ModelConfig, model_label: str) -> H
         raise CheckpointError(f"{source}: text_config.mtp_num_hidden_layers is 0: this checkpoint has no MTP head")
     differ = [name for name in HEAD_FIELDS if not _same(getattr(theirs, name), getattr(model_cfg, name))]
     if differ:
-        shown = "; ".join(f"text_config.{name} is {getattr(theirs, name)}, {model_label} has "
+        shown = "; ".join(f"text_config.{CONFIG_KEYS.get(name, name)} is {getattr(theirs, name)}, {model_label} has "
                           f"{getattr(model_cfg, name)}" for name in differ[:4])
-        raise CheckpointError(f"{source}: not the model of {model_label}, so its MTP head does not fit: {shown}")
+        more = f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""
+        raise CheckpointError(f"{source}: not the model of {model_label}, so its MTP head does not fit: {shown}{more}")
     files = checkpoint_files(path, MTP_PREFIX)
     if not files:
         raise CheckpointError(f"{path}: no tensor is named {MTP_PREFIX}* (the checkpoint's MTP head)")

@@ -66,7 +66,7 @@ def fill_random_stacks(model: Qwen4ExpForCausalLM, seed: int) -> int:
 def random_model(preset: str = "bench", layers: int | None = None, dtype: torch.dtype | str = torch.bfloat16,
                  device: str | torch.device | None = None, seed: int = 0, progress: bool = False,
                  quant: str | None = None, placement=None, ple_on_host: bool = False,
-                 mtp_head: bool | None = None) -> Qwen4ExpForCausalLM:
+                 mtp_head: bool = False) -> Qwen4ExpForCausalLM:
     """The model of `preset` (optionally cut to `layers` layers) with random weights, built on `device`.
 
     Equal, tensor for tensor, to loading a checkpoint that `write_random_checkpoint` wrote with the same

@@ -29,16 +29,13 @@ def check_profile(profile: str | Path | None = None, *, overrides: Mapping[str, 
     for message in _device_warnings(settings) + _policy_warnings(settings, sources):
         warnings.warn(message, ConfigWarning, stacklevel=2)
     # After the warnings, so a missing model does not hide them.
-    _check_model(settings, sources["model"], sources.get("mtp_weights", "mtp_weights"))
+    _check_model(settings, sources["model"], sources["mtp_weights"])
     return settings
 
 
 def _check_model(settings: Settings, source: str, head_from: str) -> None:
     """The checkpoint's config and weight files (or the GGUF's metadata and tensor types, and the MTP head that
     `mtp_weights` gives it), read from headers and the index only (no tensor data)."""
-    if settings.mtp_weights is not None and (settings.model == "tiny" or not settings.model.endswith(".gguf")):
-        raise ConfigError(f"{head_from}: mtp_weights gives a GGUF model its MTP head; model = {settings.model!r} is "
-                          f"not a .gguf file (a safetensors checkpoint brings its own head, or has none)")
     if settings.model == "tiny":
         return                                  # written on first use; nothing to find
     from ..checkpoint.errors import CheckpointError

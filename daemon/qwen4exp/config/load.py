@@ -33,9 +33,9 @@ def load_settings(profile: str | Path | None = None, overrides: Mapping[str, Any
     path = find_profile(profile if profile is not None else (env.get("QWEN4EXP_PROFILE") or DEFAULT_PROFILE), env)
     env_source = EnvSource(Settings, env, strict=False)
     layers = [  # lowest precedence first
-        (_with_absolute_model(read_profile(path), path.parent), lambda loc: f"profile {path}"),
-        (_with_absolute_model(env_source(), Path.cwd()), lambda loc: f"environment ({env_source.variable_for(loc)})"),
-        (_with_absolute_model(_nest(overrides or {}), Path.cwd()), lambda loc: COMMAND_LINE),
+        (_with_absolute_paths(read_profile(path), path.parent), lambda loc: f"profile {path}"),
+        (_with_absolute_paths(env_source(), Path.cwd()), lambda loc: f"environment ({env_source.variable_for(loc)})"),
+        (_with_absolute_paths(_nest(overrides or {}), Path.cwd()), lambda loc: COMMAND_LINE),
     ]
     merged: dict[str, Any] = {}
     sources: dict[tuple[str, ...], str] = {}
@@ -148,14 +148,16 @@ def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _with_absolute_model(data: dict[str, Any], base: Path) -> dict[str, Any]:
-    """A relative model path is relative to the profile that says it (or to the working directory for the
-    environment and command line), so a daemon started by systemd from / finds the same directory. A Hugging Face
-    id (`org/repo`, when nothing of that name exists there) stays as written."""
+def _with_absolute_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A relative model or mtp_weights path is relative to the profile that says it (or to the working directory
+    for the environment and command line), so a daemon started by systemd from / finds the same directory. A Hugging
+    Face id (`org/repo`, when nothing of that name exists there) stays as written; mtp_weights' `~` is expanded."""
     from ..model_dir import hub_id
 
-    model = data.get("model")
+    model, head = data.get("model"), data.get("mtp_weights")
     if isinstance(model, str) and model.strip() not in ("", "tiny") and not model.startswith("~") \
             and not Path(model).is_absolute() and hub_id(model.strip(), base) is None:
-        return {**data, "model": str(base / model)}
+        data = {**data, "model": str(base / model)}
+    if isinstance(head, str) and head.strip():
+        data = {**data, "mtp_weights": str(base / Path(head.strip()).expanduser())}
     return data

@@ -277,6 +277,9 @@ class Settings(BaseSettings):
             raise KeyedValueError("devices", "at most one device may have role 'snapshots'")
         if isinstance(self.chunk, int) and isinstance(self.max_ctx, int) and self.chunk > self.max_ctx:
             raise KeyedValueError("chunk", f"chunk ({self.chunk}) is larger than max_ctx ({self.max_ctx})")
+        if self.mtp_weights is not None and (self.model == "tiny" or Path(self.model).is_dir()):
+            raise KeyedValueError("mtp_weights", f"gives a GGUF model its MTP head; model = {self.model!r} is a "
+                                  f"safetensors checkpoint, which brings its own head (or has none)")
         if self.chunk_tokens % self.restore_spacing:
             raise KeyedValueError("prefix_cache.spacing", f"the restore spacing ({self.restore_spacing}) must "
                                   f"divide the chunk ({self.chunk_tokens}): snapshots sit at chunk ends")

@@ -10,6 +10,7 @@ process and its request-preparing processes never import torch. The methods that
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .limits import AUTO_DRAFTS, MAX_DRAFTS, MAX_SLOTS
@@ -108,8 +109,6 @@ class EngineConfig:
     def from_settings(cls, settings) -> "EngineConfig":
         """The engine a profile serves (config.Settings, already validated): every engine-side key, with the
         model's directory resolved and the target's own memory limit taking precedence."""
-        from pathlib import Path
-
         from ..model_dir import resolve_model
 
         target, cache = settings.target, settings.prefix_cache
@@ -121,7 +120,7 @@ class EngineConfig:
                    queue_limit=settings.server.queue_limit, cuda_graphs=settings.cuda_graphs,
                    compile_decode=settings.compile_decode, decode_beside_prompts=settings.decode_beside_prompts,
                    batch_prompts=settings.batch_prompts, ple=settings.ple, mtp=settings.mtp,
-                   mtp_weights=str(Path(settings.mtp_weights).expanduser().resolve()) if settings.mtp_weights else None,
+                   mtp_weights=str(Path(settings.mtp_weights).resolve()) if settings.mtp_weights else None,
                    split=tuple((d.name, settings.memory_limit_for(d)) for d in settings.split_devices),
                    hot_experts=settings.hot_experts)
 

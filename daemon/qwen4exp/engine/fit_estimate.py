@@ -116,6 +116,10 @@ def model_facts(model: str, quant: str | None, dtype: str, layers: int | None = 
         if quant not in MIXES + ONE_TYPE + ("fp8",):
             raise EstimateError(f"--quant {given!r}: choose one of {', '.join(MIXES + ONE_TYPE)}, or fp8 (Qwen's "
                                 f"FP8 checkpoint)")
+    as_gguf = str(model).endswith(".gguf") or (model in PRESETS and quant not in (None, "fp8"))
+    if mtp_weights and not as_gguf:
+        raise EstimateError(f"--mtp-weights gives a GGUF model its MTP head; --model {model}"
+                            f"{' --quant ' + quant if quant else ''} is not one (a preset is with a GGUF mix)")
     head_stacks = {}
     try:
         if model in PRESETS:
@@ -131,10 +135,6 @@ def model_facts(model: str, quant: str | None, dtype: str, layers: int | None = 
             from ..checkpoint.gguf_file import GGUFCheckpoint
             source = GGUFCheckpoint(model)                  # headers only: no tensor is read
             cfg, label = source.model_config(), str(model)
-            if mtp_weights:
-                from ..checkpoint.mtp_weights import head_source
-                head = head_source(mtp_weights, cfg, label)
-                cfg, head_stacks = head.cfg, head.stacks
         else:
             from ..checkpoint.loader import read_config
             from ..model_dir import EMBEDDED_MODEL
@@ -148,6 +148,10 @@ def model_facts(model: str, quant: str | None, dtype: str, layers: int | None = 
             label, source = str(model), None
             if quant is None and fp8_block(raw, str(path)) is not None:   # an FP8 checkpoint: what it keeps float8
                 quant = "fp8"
+        if mtp_weights:
+            from ..checkpoint.mtp_weights import head_source
+            head = head_source(mtp_weights, cfg, label)
+            cfg, head_stacks = head.cfg, head.stacks
     except (ConfigError, CheckpointError, OSError) as err:
         raise EstimateError(f"--model {model}: {err}") from None
     stacks = {}
@@ -156,7 +160,7 @@ def model_facts(model: str, quant: str | None, dtype: str, layers: int | None = 
     elif quant == "fp8":
         stacks = planned_fp8_stacks(cfg)
     elif quant is not None:
-        stacks = quantized_stacks(PlannedFile(cfg, quant), cfg)
+        stacks = quantized_stacks(PlannedFile(cfg, quant), cfg) | head_stacks
     kind = "gguf file" if source is not None else (quant or "dense")
     return _facts_from_shapes(cfg, stacks, dtype, label, kind)
 
