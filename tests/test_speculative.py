@@ -230,3 +230,24 @@ def test_an_mtp_engine_needs_a_head_and_auto_drafts_only_where_it_pays(model):
         Engine(headless, slots=1, context=64, chunk=CHUNK, mtp=1)
     with pytest.raises(ValueError, match="from 0 to 7"):
         resolve_mtp(9, model)
+
+
+def test_an_engine_that_drafts_warms_the_head_over_each_kind_of_prompt_chunk(monkeypatch):
+    """With mtp the head takes every prompt chunk's positions into its cache (draft_chunk): the warm-up runs it over
+    each kind of chunk the model's layers warm (warm_up.py), so a drafting engine's first prompt compiles nothing
+    more on a GPU; without mtp it does not run."""
+    from qwen4exp.engine.warm_up import warm_up_chunks
+
+    model = load_model(str(EMBEDDED_MODEL), dtype="float32", device="cpu", progress=False)
+    calls = []
+    draft_chunk = type(model).draft_chunk
+
+    def spy(self, streams, ids, state, start):
+        calls.append((start, ids.numel()))
+        return draft_chunk(self, streams, ids, state, start)
+
+    monkeypatch.setattr(type(model), "draft_chunk", spy)
+    Engine(model, slots=2, context=256, chunk=64).warm_up()
+    assert calls == []
+    Engine(model, slots=2, context=256, chunk=64, mtp=2).warm_up()
+    assert calls == warm_up_chunks(model.config, 64, 256)

@@ -13,8 +13,9 @@ import sys
 import time
 
 
-def _model(name: str, quant: str | None):
-    """(config, the weights kept quantized) of a preset at --quant, or of a checkpoint (a GGUF's own types)."""
+def _model(name: str, quant: str | None, mtp_weights: str | None = None):
+    """(config, the weights kept quantized) of a preset at --quant, or of a checkpoint (a GGUF's own types, with the
+    MTP head `mtp_weights` gives it)."""
     from .checkpoint.gguf_file import is_gguf
     from .checkpoint.gguf_writer import MIXES, ONE_TYPE
     from .checkpoint.presets import PRESET_NAMES, preset_config
@@ -32,6 +33,16 @@ def _model(name: str, quant: str | None):
         raise SystemExit("error: --quant goes with a preset (a checkpoint has its own types)")
     path = str(resolve_model(name))
     config = model_config(path)
+    if mtp_weights is not None:
+        from .checkpoint.errors import CheckpointError
+        from .checkpoint.mtp_weights import head_source
+        if not is_gguf(path):
+            raise SystemExit(f"error: --mtp-weights gives a GGUF model its MTP head; {path} is not a GGUF")
+        try:
+            head = head_source(mtp_weights, config, path)
+        except CheckpointError as err:
+            raise SystemExit(f"error: {err}") from None
+        return head.cfg, quantized_for(config, path) | head.stacks
     return config, quantized_for(config, path) if is_gguf(path) else {}
 
 
@@ -61,7 +72,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
         raise SystemExit("error: Triton is not installed (it comes with torch's CUDA and ROCm wheels)")
     from .engine.model import kernel_launches
 
-    config, quantized = _model(args.model, args.quant)
+    config, quantized = _model(args.model, args.quant, args.mtp_weights)
     failures = 0
     rows = []
     for target in _targets(args.target):
@@ -94,6 +105,8 @@ def add_parser(sub) -> None:
                       "(org/repo[:QUANT]) or a preset (bench, full; default: full): the shapes to compile for")
     kern.add_argument("--quant", default=None, help="with a preset: the GGUF mix (ud-q4_k_xl, q8_0, ...) or block "
                       "type (Q4_K, IQ4_NL, ...) whose quantized weights' kernels to compile")
+    kern.add_argument("--mtp-weights", default=None, metavar="DIR", help="with a GGUF: the safetensors release whose "
+                      "MTP head it serves (the profile key mtp_weights): the head's kernels too")
     kern.add_argument("--target", default=None, help="sm_90, sm_80, gfx1201, gfx1151, all, or here (default: here "
                       "on a GPU machine, else all)")
     kern.add_argument("--json", action="store_true", help="print one JSON document")

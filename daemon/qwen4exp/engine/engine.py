@@ -164,7 +164,7 @@ class Engine:
         started = time.perf_counter()
         if self.prefix_cache is not None:       # requests run before (tests, benches) may still be copying it
             self.prefix_cache.wait_for_captures(self.pool.slots[0].state)
-        warm_up(self.model, self.pool.slots[0].state, self.chunk, self.device)
+        warm_up(self.model, self.pool.slots[0].state, self.chunk, self.device, drafting=self.drafter is not None)
         return time.perf_counter() - started
 
     # ---- submission (any thread) -------------------------------------------------------------------

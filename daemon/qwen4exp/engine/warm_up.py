@@ -39,14 +39,20 @@ def warm_up_chunks(cfg, chunk: int, capacity: int) -> list[tuple[int, int]]:
     return [(start, n) for start in (0, past_dense) for n in rows if start + n <= capacity]
 
 
-def warm_up(model: Qwen4ExpForCausalLM, state: SequenceState, chunk: int, device: torch.device) -> None:
+def warm_up(model: Qwen4ExpForCausalLM, state: SequenceState, chunk: int, device: torch.device,
+            drafting: bool = False) -> None:
     """Each kind of prompt chunk through `model` on `state` (a free slot's: emptied again after; its K/V past
-    the start position hold whatever they held, which nothing reads once it is emptied)."""
+    the start position hold whatever they held, which nothing reads once it is emptied); with `drafting` (an
+    engine with mtp), through the MTP head too, which takes each prompt chunk's positions into its cache."""
+    width, dtype = model.config.hc_count * model.config.hidden_size, model.lm_head.weight.dtype
     try:
         for start, rows in warm_up_chunks(model.config, chunk, state.capacity):
             state.reset()
             state.length = start
-            model(torch.zeros(rows, dtype=torch.long, device=device), state)
+            ids = torch.zeros(rows, dtype=torch.long, device=device)
+            model(ids, state)
+            if drafting:
+                model.draft_chunk(torch.zeros(rows, width, dtype=dtype, device=device), ids, state, start)
     finally:
         state.reset()
         release_cached_blocks(device)

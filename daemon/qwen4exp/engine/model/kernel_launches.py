@@ -96,4 +96,23 @@ def record(config: ModelConfig, target: guard.Target, chunks=CHUNKS, decode_rows
             states = StateBatch(config, rows, capacity, device, DTYPE)
             ids = torch.zeros(rows, dtype=torch.long, device=device)
             model.decode_rows(ids, ids, torch.ones(rows, dtype=torch.bool, device=device), states, rope)
+        if model.mtp is not None:
+            _record_drafter(model, chunks, decode_rows, capacity, device, rope)
     return ahead_of_time.distinct(launches)
+
+
+def _record_drafter(model: Qwen4ExpForCausalLM, chunks, decode_rows, capacity: int, device: torch.device,
+                    rope) -> None:
+    """The MTP head's launches: over a prompt's chunks (its cache filled as drafting reads it) and over each decode
+    step's rows (a draft; a verify step, its positions one by one, is decode steps). Its layer may take kernels the
+    main layers do not: a GGUF's quantized experts beside the dense ones of a head from a safetensors release."""
+    width = model.config.hc_count * model.config.hidden_size
+    for chunk in chunks:
+        state = model.new_state(capacity, device)
+        model.draft_chunk(torch.zeros(chunk, width, dtype=DTYPE, device=device),
+                          torch.zeros(chunk, dtype=torch.long, device=device), state, 0)
+    for rows in decode_rows:
+        states = model.new_state_batch(rows, capacity, device)
+        ids = torch.zeros(rows, dtype=torch.long, device=device)
+        model.draft_rows(torch.zeros(rows, width, dtype=DTYPE, device=device), ids, ids,
+                         torch.ones(rows, dtype=torch.bool, device=device), states, rope)
