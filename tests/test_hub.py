@@ -292,3 +292,46 @@ def test_the_environment_alone_names_the_cache_and_offline_mode(cache, tmp_path)
     assert absent.returncode == 1
     assert absent.stderr.strip() == (f"error: model 'org/absent:Q8_0': org/absent is not in the Hugging Face cache at "
                                      f"{cache}, and HF_HUB_OFFLINE is set (unset it to download)")
+
+
+def test_a_heads_release_is_fetched_without_its_other_shards(cache, monkeypatch, caplog):
+    """`mtp_weights = "org/release"` (model_dir.resolve_head): the release's small files first, then of its weights
+    only the shards its index lists for mtp.* (a GGUF user's few GB of Qwen's hundreds), said in the log; an index
+    without the head, or a GGUF quant named for it, is refused in words."""
+    from qwen4exp.model_dir import resolve_head
+
+    gib = 2**30
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00003.safetensors",
+                            "mtp.fc_hidden.weight": "model-00003-of-00003.safetensors",
+                            "mtp.layers.0.mlp.gate.weight": "model-00003-of-00003.safetensors",
+                            "model.layers.0.mlp.gate.weight": "model-00002-of-00003.safetensors"}}
+    shards = {f"model-0000{n}-of-00003.safetensors": "x" for n in (1, 2, 3)}
+    headless = {"weight_map": {"model.norm.weight": "model-00001-of-00003.safetensors"}}
+    repos = {repo: {"config.json": "{}", "model.safetensors.index.json": json.dumps(its), "README.md": "text", **shards}
+             for repo, its in (("org/release", index), ("org/headless", headless))}
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo, **kw: SimpleNamespace(
+        sha=COMMIT, siblings=[SimpleNamespace(rfilename=n, size=gib) for n in repos[repo]]))
+    asked = []
+
+    def download(repo_id, **kwargs):
+        import fnmatch
+        asked.append(kwargs["allow_patterns"])
+        snapshot = Path(kwargs["cache_dir"]) / f"models--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
+        return str(cache_repo(Path(kwargs["cache_dir"]), repo_id, {n: c for n, c in repos[repo_id].items() if any(
+            fnmatch.fnmatch(n, p) for p in kwargs["allow_patterns"]) and not (snapshot / n).exists()}))
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    with caplog.at_level(logging.INFO, logger="qwen4exp.hub"):
+        path = resolve_head("org/release")
+    assert path == cache / "models--org--release" / "snapshots" / COMMIT
+    assert asked == [["config.json", "model.safetensors.index.json"],
+                     ["config.json", "model-00003-of-00003.safetensors", "model.safetensors.index.json"]]
+    assert not (path / "model-00001-of-00003.safetensors").exists()
+    assert "downloading org/release into" in caplog.text and "model-00003-of-00003.safetensors" in caplog.text
+    with pytest.raises(SystemExit, match=r"org/release:Q8_0 names GGUF files \(:Q8_0\); the tensors come from a "
+                                         r"safetensors checkpoint: write org/release"):
+        resolve_head("org/release:Q8_0")
+    with pytest.raises(SystemExit, match=r"mtp_weights 'org/headless': org/headless: its model.safetensors.index.json "
+                                         r"lists no tensor named mtp\.\*"):
+        resolve_head("org/headless")

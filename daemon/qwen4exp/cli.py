@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 PRESET_MODELS = ("tiny", "bench", "full")
-MTP_WEIGHTS_HELP = ("a GGUF model's MTP head: the directory of a safetensors release of the same model (config.json, "
-                    "the index, the shards holding mtp.*)")
+MTP_WEIGHTS_HELP = ("a GGUF model's MTP head: the directory or Hugging Face id of a safetensors release of the same "
+                    "model (of which config.json, the index and the shards holding mtp.* are read)")
 
 
 def _parse_ids(text: str) -> list[int]:

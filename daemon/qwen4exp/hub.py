@@ -131,13 +131,15 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def locate(hub_id: HubId) -> Located:
+def locate(hub_id: HubId, keep=None) -> Located:
     """The files `hub_id` needs and where they are in the cache, from the Hub's listing of the repo, or from the
-    cache when offline or when the Hub cannot be asked. Downloads nothing. Raises HubError."""
+    cache when offline or when the Hub cannot be asked. Downloads nothing. Raises HubError. `keep`: a test on repo
+    paths that narrows a checkpoint's files (resolve_tensors)."""
     cache = cache_dir()
     listing = _listing(hub_id, cache)
     try:
         files, gguf = _select(hub_id, listing)
+        files = [name for name in files if keep is None or keep(name)]
     except HubError as err:
         if listing.cache_only is None:
             raise
@@ -148,12 +150,12 @@ def locate(hub_id: HubId) -> Located:
                    listing.cache_only)
 
 
-def resolve(hub_id: HubId) -> Path:
+def resolve(hub_id: HubId, keep=None) -> Path:
     """The local path of `hub_id` (a snapshot directory or a GGUF file in the cache), downloading what the cache
-    lacks through huggingface_hub, whose progress bars go to stderr. Raises HubError."""
+    lacks through huggingface_hub, whose progress bars go to stderr. Raises HubError. `keep`: as locate's."""
     from huggingface_hub import snapshot_download
 
-    found = locate(hub_id)
+    found = locate(hub_id, keep)
     missing = found.missing
     if missing and found.cache_only:
         raise HubError(f"{hub_id}: {_names(missing)} not in the Hugging Face cache at {found.cache}, and "
@@ -178,6 +180,29 @@ def resolve(hub_id: HubId) -> Path:
         raise HubError(f"{hub_id}: {_names(absent)} not in {folder} after the download (did the repo change "
                        f"meanwhile? run again)")
     return folder / found.files[0] if found.gguf else folder
+
+
+def resolve_tensors(hub_id: HubId, prefix: str) -> Path:
+    """The snapshot directory of a safetensors checkpoint holding its small files and, of its weights, only the
+    shards its index lists for tensors named `prefix`* (a GGUF's MTP head from Qwen's release: a few GB of its
+    hundreds); what the cache lacks is downloaded. Raises HubError."""
+    import json
+
+    if hub_id.quant is not None:
+        raise HubError(f"{hub_id} names GGUF files (:{hub_id.quant}); the tensors come from a safetensors checkpoint: "
+                       f"write {hub_id.repo}" + (f"@{hub_id.revision}" if hub_id.revision else ""))
+    small = resolve(hub_id, keep=lambda name: not name.endswith(".safetensors"))
+    index = small / "model.safetensors.index.json"
+    if not index.is_file():                    # one model.safetensors: there is nothing to leave out
+        return resolve(hub_id)
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise HubError(f"{hub_id}: {index.name} is not a safetensors index ({err})") from None
+    shards = {file for name, file in weight_map.items() if name.startswith(prefix)}
+    if not shards:
+        raise HubError(f"{hub_id}: its {index.name} lists no tensor named {prefix}*")
+    return resolve(hub_id, keep=lambda name: not name.endswith(".safetensors") or name in shards)
 
 
 # ---- listing ------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .hub import HubError, HubId, resolve
+from .hub import HubError, HubId, resolve, resolve_tensors
 
 EMBEDDED_MODEL = Path(__file__).parent / "assets" / "tiny_model"
 
@@ -40,3 +40,19 @@ def resolve_model(name: str) -> Path:
     raise SystemExit(f"error: model {name!r} is neither a checkpoint directory, a .gguf file, a Hugging Face id "
                      f"(org/repo, org/repo:QUANT) nor 'tiny' (write random-weight checkpoints with "
                      f"`qwen4exp init-checkpoint --preset tiny|bench|full`)")
+
+
+def resolve_head(name: str) -> Path:
+    """What `mtp_weights` names: a safetensors checkpoint's directory, or the Hugging Face id of one, of which only
+    the small files and the shards holding `mtp.*` are fetched (hub.resolve_tensors)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    found = hub_id(name)
+    if found is not None:
+        try:
+            return resolve_tensors(found, "mtp.")
+        except HubError as err:
+            raise SystemExit(f"error: mtp_weights {name!r}: {err}") from None
+    raise SystemExit(f"error: mtp_weights {name!r} is neither a directory nor a Hugging Face id (org/repo) of a "
+                     f"safetensors release of the model")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 
@@ -117,7 +116,7 @@ def _config(args: argparse.Namespace):
     from dataclasses import replace
 
     from .engine.engine_config import EngineConfig
-    from .model_dir import resolve_model
+    from .model_dir import resolve_head, resolve_model
 
     if args.profile is not None:
         from .config import ConfigError, load_settings
@@ -133,7 +132,7 @@ def _config(args: argparse.Namespace):
              "device_memory_limit": parse_limit(args.device_memory_limit), "headroom": args.headroom}
     config = replace(config, **{key: value for key, value in flags.items() if value is not None})
     if args.mtp_weights is not None:
-        config = replace(config, mtp_weights=str(Path(args.mtp_weights).expanduser().resolve()))
+        config = replace(config, mtp_weights=str(resolve_head(args.mtp_weights).resolve()))
     device = config.torch_device()
     if args.chunk is not None or args.profile is None:
         config = replace(config, chunk=_chunk(args.chunk or "auto", device))

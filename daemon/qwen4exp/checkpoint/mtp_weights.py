@@ -55,7 +55,10 @@ def head_source(path: str | Path, model_cfg: ModelConfig, model_label: str) -> H
     path = Path(path).expanduser()
     if not path.is_dir():
         what = "no such directory" if not path.exists() else "not a directory"
-        raise CheckpointError(f"mtp_weights = {str(path)!r}: {what}; point it at the directory of a safetensors "
+        from ..hub import HubId
+        hint = " (a Hugging Face id is fetched by serve, generate and plan, not by an estimate)" \
+            if HubId.parse(str(path)) is not None else ""
+        raise CheckpointError(f"mtp_weights = {str(path)!r}: {what}{hint}; point it at the directory of a safetensors "
                               f"checkpoint of the model (config.json, the index, and the shards holding its mtp.* "
                               f"tensors)")
     config = read_config(path)

@@ -54,7 +54,11 @@ def _check_model(settings: Settings, source: str, head_from: str) -> None:
             checkpoint.check_types()
         except (CheckpointError, ValueError) as err:
             raise ConfigError(f"{source}: model = {str(path)!r} is not a usable GGUF: {err}") from None
-        if settings.mtp_weights is not None:
+        if settings.mtp_weights is not None and hub_id(settings.mtp_weights) is not None:
+            warnings.warn(f"{head_from}: mtp_weights = {settings.mtp_weights!r} is a Hugging Face id: serve fetches "
+                          f"its config, index and the shards holding mtp.* when it starts, and checks them then",
+                          ConfigWarning, stacklevel=3)
+        elif settings.mtp_weights is not None:
             from ..checkpoint.mtp_weights import head_source
             try:
                 head_source(settings.mtp_weights, cfg, str(path))

@@ -151,13 +151,13 @@ def _nest(flat: Mapping[str, Any]) -> dict[str, Any]:
 def _with_absolute_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
     """A relative model or mtp_weights path is relative to the profile that says it (or to the working directory
     for the environment and command line), so a daemon started by systemd from / finds the same directory. A Hugging
-    Face id (`org/repo`, when nothing of that name exists there) stays as written; mtp_weights' `~` is expanded."""
+    Face id (`org/repo`, when nothing of that name exists there) stays as written; a path's `~` is expanded."""
     from ..model_dir import hub_id
 
     model, head = data.get("model"), data.get("mtp_weights")
     if isinstance(model, str) and model.strip() not in ("", "tiny") and not model.startswith("~") \
             and not Path(model).is_absolute() and hub_id(model.strip(), base) is None:
         data = {**data, "model": str(base / model)}
-    if isinstance(head, str) and head.strip():
+    if isinstance(head, str) and head.strip() and hub_id(head.strip(), base) is None:
         data = {**data, "mtp_weights": str(base / Path(head.strip()).expanduser())}
     return data

@@ -215,10 +215,11 @@ class Settings(BaseSettings):
         "slot as many as its recent acceptance pays for; the output is the same as with 0. `auto`: 3 where the "
         "backend verifies a step's positions together, else 0 (today: 0 everywhere, docs/ENGINE.md says why).")
     mtp_weights: str | None = _field(
-        None, "a checkpoint directory",
-        "A GGUF model's MTP head (llama.cpp's converter leaves it out): the directory of a safetensors release of the "
-        "same model (Qwen's bfloat16 or FP8), of which config.json, the index and the shards holding the `mtp.*` "
-        "tensors are read. Without it a GGUF model does not draft.", min_length=1)
+        None, "a checkpoint directory or a Hugging Face id (org/repo)",
+        "A GGUF model's MTP head (llama.cpp's converter leaves it out): the directory or Hugging Face id of a "
+        "safetensors release of the same model (Qwen's bfloat16 or FP8), of which config.json, the index and the "
+        "shards holding the `mtp.*` tensors are read (an id fetches only those). Without it a GGUF model does not "
+        "draft.", min_length=1)
     hot_experts: int = _field(
         0, "a whole number from 0 to 512",
         "With `split` devices: this many of each split layer's experts, the most routed, are also kept on the target, "

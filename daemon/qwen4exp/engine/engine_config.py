@@ -10,7 +10,6 @@ process and its request-preparing processes never import torch. The methods that
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .limits import AUTO_DRAFTS, MAX_DRAFTS, MAX_SLOTS
@@ -109,7 +108,7 @@ class EngineConfig:
     def from_settings(cls, settings) -> "EngineConfig":
         """The engine a profile serves (config.Settings, already validated): every engine-side key, with the
         model's directory resolved and the target's own memory limit taking precedence."""
-        from ..model_dir import resolve_model
+        from ..model_dir import resolve_head, resolve_model
 
         target, cache = settings.target, settings.prefix_cache
         return cls(model=str(resolve_model(settings.model)), device=target.name, dtype=settings.dtype,
@@ -120,7 +119,7 @@ class EngineConfig:
                    queue_limit=settings.server.queue_limit, cuda_graphs=settings.cuda_graphs,
                    compile_decode=settings.compile_decode, decode_beside_prompts=settings.decode_beside_prompts,
                    batch_prompts=settings.batch_prompts, ple=settings.ple, mtp=settings.mtp,
-                   mtp_weights=str(Path(settings.mtp_weights).resolve()) if settings.mtp_weights else None,
+                   mtp_weights=str(resolve_head(settings.mtp_weights).resolve()) if settings.mtp_weights else None,
                    split=tuple((d.name, settings.memory_limit_for(d)) for d in settings.split_devices),
                    hot_experts=settings.hot_experts)
 
