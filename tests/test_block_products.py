@@ -16,7 +16,8 @@ from triton_interpreter import interpreted_results
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
 
-QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "FP8_B32", "FP8_B128"]
+QTYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "FP8_B32", "FP8_B128",
+          "Q8_0_R"]
 
 CHILD = r"""
 import json, torch, torch.nn.functional as F

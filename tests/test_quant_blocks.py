@@ -12,7 +12,7 @@ from qwen4exp.checkpoint.gguf_blocks import random_blocks
 from qwen4exp.engine.model.quant_blocks import LAYOUTS, dequantize
 
 
-@pytest.mark.parametrize("qtype", sorted(q for q in LAYOUTS if not q.startswith("FP8_")))
+@pytest.mark.parametrize("qtype", sorted(q for q in LAYOUTS if not q.startswith("FP8_") and q != "Q8_0_R"))
 @pytest.mark.parametrize("std, seed", [(0.02, 0), (3.0, 1), (1e-4, 2)])
 def test_every_type_dequantizes_bit_for_bit_as_the_reference(qtype, std, seed):
     from gguf import GGMLQuantizationType, quants
@@ -23,6 +23,20 @@ def test_every_type_dequantizes_bit_for_bit_as_the_reference(qtype, std, seed):
     ours = dequantize(torch.from_numpy(blocks), qtype)
     assert ours.dtype == torch.float32 and tuple(ours.shape) == reference.shape
     assert np.array_equal(ours.numpy().view(np.uint32), reference.view(np.uint32))
+
+
+def test_a_regrouped_q8_0_row_holds_the_same_bytes_and_values():
+    """Q8_0_R (each row's scales, then its quants: quantized.regroup_q8_0) is a permutation of a Q8_0 row's bytes,
+    undone by join_q8_0, and dequantizes to Q8_0's values bit for bit."""
+    from qwen4exp.engine.model.quant_blocks import join_q8_0, split_q8_0
+
+    rows = torch.from_numpy(random_blocks("Q8_0", (3, 4, 512), 0.02, seed=7))
+    split = split_q8_0(rows)
+    assert split.shape == rows.shape and torch.equal(split.sort(-1).values, rows.sort(-1).values)
+    assert torch.equal(split[..., :32].contiguous().view(torch.float16), rows.view(3, 4, 16, 34)[..., :2]
+                       .contiguous().view(torch.float16).reshape(3, 4, 16))
+    assert torch.equal(join_q8_0(split), rows)
+    assert torch.equal(dequantize(split, "Q8_0_R"), dequantize(rows, "Q8_0"))
 
 
 def test_rows_that_are_not_whole_blocks_are_refused():

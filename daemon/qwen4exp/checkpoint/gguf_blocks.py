@@ -54,6 +54,11 @@ def random_blocks(qtype: str, shape: tuple[int, ...], std: float, seed: int) -> 
     if qtype.startswith("FP8_"):
         from .fp8 import random_blocks as fp8_blocks
         return fp8_blocks(qtype, shape, std, seed)
+    if qtype == "Q8_0_R":                  # ours: Q8_0 rows regrouped (quant_tiles.LAYOUTS)
+        import torch
+
+        from ..engine.model.quant_blocks import split_q8_0
+        return split_q8_0(torch.from_numpy(random_blocks("Q8_0", shape, std, seed))).numpy()
 
     block = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][0]
     if shape[-1] % block:

@@ -13,7 +13,7 @@ import torch
 
 from . import gguf_layout, gguf_metadata
 from .errors import CheckpointError
-from ..engine.model.quant_blocks import LAYOUTS
+from ..engine.model.quant_blocks import LAYOUTS, join_q8_0, split_q8_0
 from ..engine.model.quantized import QuantizedStack, kept_name
 from .gguf_file import GGUFCheckpoint
 from .loader import LoadReport
@@ -104,17 +104,23 @@ class StackPart:
     def blocks(self) -> torch.Tensor:
         return self.stack.blocks if self.rows is None else self.stack.blocks[:, self.rows]
 
+    @property
+    def file_qtype(self) -> str:
+        """The block type the file holds: a projection regrouped after its load (quantized.regroup_q8_0) was Q8_0."""
+        return "Q8_0" if self.stack.qtype == "Q8_0_R" else self.stack.qtype
+
     def copy_blocks(self, raw: torch.Tensor, piece: gguf_layout.Piece) -> None:
         """The file's blocks of `piece`, in our layout."""
         blocks = self.blocks()
-        rows = raw.reshape(-1, blocks.shape[-1])
-        blocks.copy_(piece.reorder_blocks(rows, LAYOUTS[self.stack.qtype]).reshape(blocks.shape))
+        rows = piece.reorder_blocks(raw.reshape(-1, blocks.shape[-1]), LAYOUTS[self.file_qtype])
+        blocks.copy_((split_q8_0(rows) if self.file_qtype != self.stack.qtype else rows).reshape(blocks.shape))
 
     def file_blocks(self, piece: gguf_layout.Piece) -> torch.Tensor:
         """This part's blocks in the file's layout of `piece` (what the writer writes)."""
         blocks = self.blocks().contiguous()
-        rows = piece.reorder_blocks(blocks.reshape(-1, blocks.shape[-1]), LAYOUTS[self.stack.qtype], to_gguf=True)
-        return rows.reshape(blocks.shape)
+        rows = blocks.reshape(-1, blocks.shape[-1])
+        rows = join_q8_0(rows) if self.file_qtype != self.stack.qtype else rows
+        return piece.reorder_blocks(rows, LAYOUTS[self.file_qtype], to_gguf=True).reshape(blocks.shape)
 
 
 def _part(target, piece: gguf_layout.Piece):

@@ -217,8 +217,8 @@ def _planned_tensors(model: torch.nn.Module, mix: str, seed: int):
     for index, piece in enumerate(gguf_layout.pieces(model.config)):
         stack = stacks.get(kept_name(piece.target))
         part = StackPart(stack, piece) if stack is not None else None
-        if part is not None and tensor_type(piece, part.shape, mix) == stack.qtype:      # the blocks as they are
-            yield (piece.gguf, tuple(part.blocks().shape), np.dtype(np.uint8), stack.qtype,
+        if part is not None and tensor_type(piece, part.shape, mix) == part.file_qtype:   # the blocks as they are
+            yield (piece.gguf, tuple(part.blocks().shape), np.dtype(np.uint8), part.file_qtype,
                    lambda part=part, piece=piece: part.file_blocks(piece).cpu().numpy())
             continue
         full = stack.shape if stack is not None else targets[piece.target].shape

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from ..engine.loading import DTYPES, build_model, resolve_device
 from ..engine.model.causal_lm import Qwen4ExpForCausalLM
 from ..engine.model.config import ModelConfig
-from ..engine.model.quantized import QuantizedStack
+from ..engine.model.quantized import QuantizedStack, regroup_q8_0
 from . import layout
 from .fp8_stacks import planned_fp8_stacks
 from .gguf_blocks import fill_random_blocks
@@ -92,4 +92,5 @@ def random_model(preset: str = "bench", layers: int | None = None, dtype: torch.
     model = build_model(cfg, dtype, device, quantized, ple_on_host, placement)
     fill_random(model, text, seed, dtype, progress=progress)
     fill_random_stacks(model, seed)
+    regroup_q8_0(model)                    # as a load does (engine/loading.py)
     return model

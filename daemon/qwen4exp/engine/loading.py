@@ -15,7 +15,7 @@ from ..checkpoint.mtp_weights import head_source, load_head
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .model.config import ModelConfig
 from .model.ple import NGramEmbedding
-from .model.quantized import QuantizedStack, keep_quantized
+from .model.quantized import QuantizedStack, keep_quantized, regroup_q8_0
 from .placement import Placement
 
 log = logging.getLogger("qwen4exp.engine")
@@ -94,7 +94,8 @@ def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | to
         model = build_model(cfg, dtype, device, quantized_stacks(checkpoint, cfg) | (head.stacks if head else {}),
                             ple_on_host, placement)
         report = load_gguf_weights(checkpoint, model, cfg)
-        log.info("loaded %s: %s", path, report)
+        log.info("loaded %s: %s (%d Q8_0 projections regrouped for the decode products)", path, report,
+                 regroup_q8_0(model))
         if head:
             log.info("loaded the MTP head from %s: %s", head.path, load_head(head, model, dtype, device, progress))
         return model

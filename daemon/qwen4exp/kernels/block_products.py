@@ -52,9 +52,11 @@ if triton is not None:
 
     # The counts of rows and features are not specialized on (a launch's rows are 1..MAX_ROWS), which keeps the
     # builds ahead of time few; the row length, row bytes and part are, as their divisibility lets loads vectorize.
+    # `quants_at` (Q8_0_R's: where a row's quants start, k / 16) is an argument, not computed here, so Triton sees
+    # that it is a multiple of 16 and loads the quants in 16-byte vectors through the pipeline.
     @triton.jit(do_not_specialize=["rows", "n"])
     def _block_rows_kernel(x_ptr, w_ptr, grid_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, row_bytes, part_k,
-                           QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+                           quants_at, QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
         """out[:, block] = x @ w[block].T over the input's part `program_id(1)` (all of it without SPLIT; with it
         float32 partial sums go to parts[part]), w's rows dequantized from their blocks."""
@@ -71,8 +73,19 @@ if triton is not None:
         for start in range(begin, end, BLOCK_K):
             x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride + start + ks[None, :],
                         mask=m_ok[:, None] & (start + ks < end)[None, :], other=0.0)
-            w = weight_tile(w_rows, start, end, (feats < n)[None, None, :], grid_ptr, x_ptr.dtype.element_ty, QTYPE,
-                            INTERPRETED, BLOCK_K, BLOCK_N)
+            if QTYPE == "Q8_0_R":             # the tile [BLOCK_K, BLOCK_N] straight from the split rows
+                rows_at = w_ptr + feats.to(tl.int64) * row_bytes
+                ok = (feats < n)[None, :] & (start + ks < end)[:, None]
+                q = tl.load(rows_at[None, :] + quants_at + start + ks[:, None], mask=ok, other=0)
+                groups = tl.arange(0, BLOCK_K // 32)
+                scale = tl.load(rows_at.to(tl.pointer_type(tl.float16))[None, :] + start // 32 + groups[:, None],
+                                mask=(feats < n)[None, :] & (start + groups * 32 < end)[:, None], other=0.0)
+                w = tl.reshape(tl.reshape(q.to(tl.int8, bitcast=True).to(tl.float32), [BLOCK_K // 32, 32, BLOCK_N])
+                               * scale.to(tl.float32)[:, None, :], [BLOCK_K, BLOCK_N])
+                w = round_to(w, x_ptr.dtype.element_ty, INTERPRETED)
+            else:
+                w = weight_tile(w_rows, start, end, (feats < n)[None, None, :], grid_ptr, x_ptr.dtype.element_ty,
+                                QTYPE, INTERPRETED, BLOCK_K, BLOCK_N)
             if INTERPRETED:
                 x, w = x.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(x, w, acc)
@@ -101,8 +114,8 @@ def block_row_products(x: torch.Tensor, blocks: torch.Tensor, qtype: str, config
     # A part holds whole tiles of BLOCK_K (whole 32-value groups, the unit a tile dequantizes).
     config, part_k, parts, grid = split_input(fitted(config or plan(n, k), x.device, x.element_size()), k, out)
     _block_rows_kernel[grid](x, blocks, grid_for(qtype, blocks), out, parts, rows, n, k, x.stride(0),
-                             blocks.shape[1], part_k, QTYPE=qtype, INTERPRETED=interpreted(x), BLOCK_M=MAX_ROWS,
-                             SPLIT=parts is not out, **config)
+                             blocks.shape[1], part_k, k // 16, QTYPE=qtype, INTERPRETED=interpreted(x),
+                             BLOCK_M=MAX_ROWS, SPLIT=parts is not out, **config)
     if parts is not out:
         add_parts(parts, out)
     return out

@@ -25,9 +25,13 @@ from .guard import interpreted, tl, triton
 
 # (values per block, bytes per block) of each block type. FP8_B32 and FP8_B128 are ours, for Qwen's FP8 checkpoint
 # (checkpoint/fp8.py): a float32 scale (little-endian), then 32 or 128 float8 e4m3 values, each value = scale x it.
+# Q8_0_R is ours too: a Q8_0 row regrouped as all its blocks' float16 scales, then all their int8 quants (the same
+# bytes; engine/model/quantized.py's regroup_q8_0, for the projections whose rows are a multiple of 256 values, so the
+# quants start 16-byte aligned and the decode products load them in vectors). Its sizes are Q8_0's, but its blocks
+# are not contiguous: only whole rows are read (block_products' kernel, gather_rows, quant_blocks.dequantize).
 LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
            "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
-           "FP8_B32": (32, 36), "FP8_B128": (128, 132)}
+           "FP8_B32": (32, 36), "FP8_B128": (128, 132), "Q8_0_R": (32, 34)}
 # The non-linear 4-bit grid of IQ4_NL and IQ4_XS.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 QTYPES = tuple(LAYOUTS)
@@ -169,6 +173,14 @@ if triton is not None:
             return scale * tl.load(grid_ptr + _nibble(base + 8 + j * 16, lane, mask))
 
     @triton.jit
+    def split_q8_0_groups(row, quants_at, col, lane, mask):
+        """Q8_0_R's float32 values of 32-value groups (dequantize_groups' arguments; `quants_at`: where a row's quants
+        start, its values / 16): d x q, as Q8_0's."""
+        scale = tl.load(row.to(tl.pointer_type(tl.float16)) + col // 32, mask=mask, other=0.0).to(tl.float32)
+        quant = tl.load(row + quants_at + col + lane, mask=mask, other=0).to(tl.int8, bitcast=True)
+        return scale * quant.to(tl.float32)
+
+    @triton.jit
     def weight_tile(rows, start, limit, feat_ok, grid_ptr, dtype: tl.constexpr, QTYPE: tl.constexpr,
                     INTERPRETED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
         """The [BLOCK_K, BLOCK_N] tile of columns start..limit of BLOCK_N weight rows (`rows` [1, 1, BLOCK_N] byte
@@ -191,7 +203,10 @@ if triton is not None:
         col = tl.program_id(1) * GROUPS * LANES + (tl.arange(0, GROUPS) * LANES)[None, :, None]
         lane = tl.arange(0, LANES)[None, None, :]
         ok = (i < n_ids) & (col < cols)
-        values = dequantize_groups(blocks_ptr + row * row_bytes, col, lane, ok, grid_ptr, QTYPE)
+        if QTYPE == "Q8_0_R":
+            values = split_q8_0_groups(blocks_ptr + row * row_bytes, cols // 16, col, lane, ok)
+        else:
+            values = dequantize_groups(blocks_ptr + row * row_bytes, col, lane, ok, grid_ptr, QTYPE)
         tl.store(out_ptr + i * cols + col + lane, round_to(values, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
 
 

@@ -23,7 +23,7 @@ from ..state import SequenceState, StateBatch
 from .causal_lm import Qwen4ExpForCausalLM
 from .config import ModelConfig
 from .ops import TorchOps
-from .quantized import keep_quantized
+from .quantized import keep_quantized, regroup_q8_0
 from .triton_ops import TritonOps
 
 CHUNKS = (1, 37, 512, 1024, 2048, 4096)   # a prompt's last chunk may have any length; whole chunks 512-4096
@@ -82,6 +82,7 @@ def record(config: ModelConfig, target: guard.Target, chunks=CHUNKS, decode_rows
         with device:
             model = Qwen4ExpForCausalLM(config)
             keep_quantized(model, quantized or {}, DTYPE)
+            regroup_q8_0(model)          # as a load does (engine/loading.py)
             model = model.to(DTYPE)
         model.ops = OwnKernels()   # every kernel of ours, also those NOT_BUILT leaves out on this target
         # QSA attends densely while a query sees no more than the indexer's budget; a chunk on the engine's

@@ -43,6 +43,21 @@ def _q8_0(b):
     return _f16(b, 0) * b[:, 2:34].contiguous().view(torch.int8).to(torch.float32)
 
 
+def split_q8_0(rows: torch.Tensor) -> torch.Tensor:
+    """Q8_0 rows [..., row bytes] -> the same bytes as Q8_0_R rows (quant_tiles.LAYOUTS): the row's scales, then its
+    quants."""
+    blocks = rows.reshape(*rows.shape[:-1], -1, 34)
+    return torch.cat((blocks[..., :2].flatten(-2), blocks[..., 2:].flatten(-2)), dim=-1)
+
+
+def join_q8_0(rows: torch.Tensor) -> torch.Tensor:
+    """split_q8_0's inverse: Q8_0_R rows -> Q8_0 rows (what a GGUF holds)."""
+    count = rows.shape[-1] // 34
+    scales = rows[..., :2 * count].unflatten(-1, (count, 2))
+    quants = rows[..., 2 * count:].unflatten(-1, (count, 32))
+    return torch.cat((scales, quants), dim=-1).flatten(-2)
+
+
 def _q4_0(b):
     return _f16(b, 0) * (_nibbles(b[:, 2:18]).to(torch.float32) - 8)
 
@@ -120,7 +135,8 @@ def _fp8(b):
 
 
 _FORMS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k,
-          "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "FP8_B32": _fp8, "FP8_B128": _fp8}
+          "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs, "FP8_B32": _fp8, "FP8_B128": _fp8,
+          "Q8_0_R": None}
 
 
 def dequantize(raw: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -131,5 +147,7 @@ def dequantize(raw: torch.Tensor, qtype: str) -> torch.Tensor:
     if raw.dtype != torch.uint8 or raw.shape[-1] % size:
         raise ValueError(f"{qtype} rows are whole {size}-byte blocks of uint8, got {raw.dtype} rows of "
                          f"{raw.shape[-1]} bytes")
+    if qtype == "Q8_0_R":                      # its blocks are whole only in a whole row
+        return dequantize(join_q8_0(raw), "Q8_0")
     blocks = raw.reshape(-1, size)
     return _FORMS[qtype](blocks).reshape(*raw.shape[:-1], raw.shape[-1] // size * values)

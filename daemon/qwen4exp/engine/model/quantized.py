@@ -101,3 +101,31 @@ def keep_quantized(model: nn.Module, stacks: dict[str, tuple[str, tuple[int, ...
         owner = model.get_submodule(owner_name)
         delattr(owner, attr)
         setattr(owner, attr, QuantizedStack(qtype, shape, dtype))
+
+
+# Rows regrouped at a time: bounds the temporary a regroup allocates (the full model's LM head is 675 MB of blocks).
+_REGROUP_BYTES = 64 << 20
+
+
+@torch.no_grad()
+def regroup_q8_0(model: nn.Module) -> int:
+    """Every Q8_0 projection (a Linear's weight: the decode products' operand) whose rows are a multiple of 256 values
+    becomes Q8_0_R in place (quant_tiles.LAYOUTS: the same bytes and values, each row's quants 16-byte aligned), after
+    its weights are loaded; embeddings and experts stay Q8_0. The decode products then load the quants in 16-byte
+    vectors and give the same results bit for bit (docs/PERFORMANCE.md). Returns how many were regrouped."""
+    count = 0
+    for owner in model.modules():
+        stack = getattr(owner, "weight", None) if isinstance(owner, nn.Linear) else None
+        if isinstance(stack, QuantizedStack) and stack.qtype == "Q8_0" and stack.shape[-1] % 256 == 0:
+            rows = stack.blocks.view(-1, stack.blocks.shape[-1])
+            if not rows.is_meta:
+                for part in rows.split(max(1, _REGROUP_BYTES // rows.shape[1])):
+                    part.copy_(quant_blocks.split_q8_0(part))
+            stack.qtype = "Q8_0_R"
+            count += 1
+    if count:
+        from .shared_input import SharedInputProjections
+        for module in model.modules():     # a joined stack holds its members' bytes: joined again, typed anew
+            if isinstance(module, SharedInputProjections):
+                module.stack_input_weights()
+    return count
