@@ -75,7 +75,9 @@ def test_a_weight_of_the_wrong_shape_is_refused_with_its_shape(results):
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype, shape", [("Q8_0", (248320, 2560)), ("Q8_0", (16384, 2560)), ("Q8_0", (2560, 6144)),
                                           ("Q8_0", (2560, 640)), ("Q8_0", (324, 10240)), ("Q4_K", (12288, 2560)),
-                                          ("Q6_K", (2560, 6144)), ("IQ4_XS", (640, 2560))])
+                                          ("Q6_K", (2560, 6144)), ("IQ4_XS", (640, 2560)),
+                                          ("Q8_0_R", (248320, 2560)), ("Q8_0_R", (2560, 6144)),
+                                          ("Q8_0_R", (324, 10240))])
 def test_decode_shapes_give_the_dense_twins_products_on_gpu(qtype, shape):
     """Compiled: within one rounding of row_products on the twin (compiled tilings may sum in another order), and
     each row independent of the others."""
@@ -98,3 +100,6 @@ def test_decode_shapes_give_the_dense_twins_products_on_gpu(qtype, shape):
     assert torch.equal(block_products.linear(x[2:3], stack)[0], got[2])
     chunk = torch.randn(64, shape[1], device="cuda").bfloat16()
     assert torch.equal(block_products.linear(chunk, stack), torch.nn.functional.linear(chunk, twin))
+    if qtype == "Q8_0_R":                  # regrouped: the products of the Q8_0 blocks it came from, bit for bit
+        from qwen4exp.engine.model.quant_blocks import join_q8_0
+        assert torch.equal(got, block_products.block_row_products(x, join_q8_0(stack.blocks), "Q8_0"))
