@@ -25,6 +25,9 @@ def _model(name: str, quant: str | None, mtp_weights: str | None = None):
     from .model_dir import resolve_model
 
     if name in PRESET_NAMES and name != "tiny":
+        if mtp_weights is not None:
+            raise SystemExit("error: --mtp-weights gives a GGUF model its MTP head; a preset brings its own "
+                             "(dense, or none at a --quant mix)")
         config = ModelConfig.from_dict(preset_config(name, dtype="bfloat16"), source=f"preset {name!r}")
         if quant is not None and quant not in MIXES + ONE_TYPE:
             raise SystemExit(f"error: --quant {quant!r}: choose one of {', '.join(MIXES + ONE_TYPE)}")
