@@ -229,6 +229,8 @@ def main() -> None:
     parser.add_argument("--oracle-only", action="store_true", help="skip section 1 (the steps' own timings)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    if args.ple == "host" and not args.quant:
+        parser.error("--ple host keeps a quantized PLE table in host memory: it goes with --quant")
     device = torch.device(args.device)
     started = time.perf_counter()
     if args.checkpoint:
