@@ -443,3 +443,41 @@ def test_float_tensors_are_read_as_stored_and_give_the_float32_reads_values(tmp_
         assert torch.equal(piece.part_of(targets[piece.target]), via_float32), piece.gguf
         stored += checkpoint.type_name(piece.gguf) in ("F16", "BF16")
     assert stored > 10
+
+
+def test_q8_0_projections_are_regrouped_once_and_written_back_as_q8_0(tmp_path, monkeypatch):
+    """At a hidden size of 256 (the tiny preset's rows are too short to regroup) every Q8_0 projection whose rows are
+    a multiple of 256 values is Q8_0_R after the build (quantized.regroup_q8_0), experts and embeddings stay Q8_0, the
+    joined shared-input stacks stay views of their members' bytes with the members' type, a second regroup finds
+    nothing, and the GGUF written from the model holds Q8_0 again, which loads back to the same blocks and types."""
+    from qwen4exp.checkpoint import random_weights
+    from qwen4exp.checkpoint.presets import preset_config
+    from qwen4exp.engine.model.quantized import regroup_q8_0
+
+    def wide(name, layers=None, dtype="bfloat16"):
+        config = preset_config("tiny", layers, dtype)
+        config["text_config"]["hidden_size"] = 256
+        return config
+
+    monkeypatch.setattr(random_weights, "preset_config", wide)
+    model = random_weights.random_model("tiny", dtype="float32", device="cpu", quant="Q8_0")
+    stacks = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedStack)}
+    regrouped = {name for name, m in stacks.items() if m.qtype == "Q8_0_R"}
+    assert regrouped and all(m.shape[-1] % 256 == 0 for name, m in stacks.items() if name in regrouped)
+    assert all(stacks[name].qtype == "Q8_0" for name in stacks if ".experts." in name or "embed" in name)
+    for module in model.modules():
+        for stack, members in getattr(module, "input_runs", ()):
+            if isinstance(stack, QuantizedStack):
+                weights = [module.input_weights()[i] for i in members]
+                assert {w.qtype for w in weights} == {stack.qtype}
+                assert all(w.blocks.untyped_storage().data_ptr() == stack.blocks.untyped_storage().data_ptr()
+                           for w in weights)
+    assert regroup_q8_0(model) == 0
+    text = wide("tiny")["text_config"]
+    path = write_tiny(tmp_path / "wide.gguf", "Q8_0", model=model, text=text)
+    checkpoint = GGUFCheckpoint(str(path))
+    assert "Q8_0_R" not in {checkpoint.type_name(name) for name in checkpoint.tensors}
+    loaded = load_model(str(path), dtype="float32", device="cpu", progress=False)
+    again = {name: m for name, m in loaded.named_modules() if isinstance(m, QuantizedStack)}
+    assert {n: m.qtype for n, m in again.items()} == {n: m.qtype for n, m in stacks.items()}
+    assert all(torch.equal(again[n].blocks, stacks[n].blocks) for n in stacks)

@@ -78,6 +78,12 @@ def fill_random_blocks(blocks, qtype: str, std: float, seed: int) -> None:
     if qtype.startswith("FP8_"):
         from .fp8 import fill_random_blocks as fill_fp8
         return fill_fp8(blocks, qtype, std, seed)
+    if qtype == "Q8_0_R":                  # drawn as Q8_0, then each row regrouped in place
+        from ..engine.model.quant_blocks import split_q8_0
+        fill_random_blocks(blocks, "Q8_0", std, seed)
+        rows = blocks.view(-1, blocks.shape[-1])
+        rows.copy_(split_q8_0(rows))
+        return None
     size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]][1]
     blocks.random_(0, 256, generator=torch.Generator(device=blocks.device).manual_seed(seed))
     view = blocks.view(-1, size)

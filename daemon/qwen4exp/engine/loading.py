@@ -94,8 +94,8 @@ def load_model(path: str, dtype: str | torch.dtype = "float32", device: str | to
         model = build_model(cfg, dtype, device, quantized_stacks(checkpoint, cfg) | (head.stacks if head else {}),
                             ple_on_host, placement)
         report = load_gguf_weights(checkpoint, model, cfg)
-        log.info("loaded %s: %s (%d Q8_0 projections regrouped for the decode products)", path, report,
-                 regroup_q8_0(model))
+        regrouped = regroup_q8_0(model)
+        log.info("loaded %s: %s (%d Q8_0 projections regrouped for the decode products)", path, report, regrouped)
         if head:
             log.info("loaded the MTP head from %s: %s", head.path, load_head(head, model, dtype, device, progress))
         return model

@@ -194,8 +194,8 @@ if triton is not None:
     # Not specialized on the count of ids (one binary a type and row length); the row length and bytes are, as
     # their divisibility lets loads vectorize.
     @triton.jit(do_not_specialize=["n_ids"])
-    def _gather_rows_kernel(blocks_ptr, ids_ptr, grid_ptr, out_ptr, n_ids, cols, row_bytes, INTERPRETED: tl.constexpr,
-                            QTYPE: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+    def _gather_rows_kernel(blocks_ptr, ids_ptr, grid_ptr, out_ptr, n_ids, cols, row_bytes, quants_at,
+                            INTERPRETED: tl.constexpr, QTYPE: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr):
         """out[i, cols of this program] = row ids[i] of the blocks, dequantized and rounded to out's dtype, for ROWS
         ids."""
         i = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None, None]
@@ -204,7 +204,7 @@ if triton is not None:
         lane = tl.arange(0, LANES)[None, None, :]
         ok = (i < n_ids) & (col < cols)
         if QTYPE == "Q8_0_R":
-            values = split_q8_0_groups(blocks_ptr + row * row_bytes, cols // 16, col, lane, ok)
+            values = split_q8_0_groups(blocks_ptr + row * row_bytes, quants_at, col, lane, ok)
         else:
             values = dequantize_groups(blocks_ptr + row * row_bytes, col, lane, ok, grid_ptr, QTYPE)
         tl.store(out_ptr + i * cols + col + lane, round_to(values, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
@@ -227,8 +227,9 @@ def gather_rows(blocks: torch.Tensor, qtype: str, ids: torch.Tensor, dtype: torc
     out = torch.empty(flat.numel(), cols, dtype=dtype, device=ids.device)
     if flat.numel():
         grid = (triton.cdiv(flat.numel(), GATHER["ROWS"]), triton.cdiv(cols, GATHER["GROUPS"] * GROUP))
+        # Q8_0_R's quants start at cols / 16 bytes: an argument, so Triton sees its alignment (block_products).
         _gather_rows_kernel[grid](blocks, flat, grid_for(qtype, out), out, flat.numel(), cols, blocks.shape[1],
-                                  INTERPRETED=interpreted(out), QTYPE=qtype, **GATHER)
+                                  cols // 16, INTERPRETED=interpreted(out), QTYPE=qtype, **GATHER)
     return out.reshape(*ids.shape, cols)
 
 

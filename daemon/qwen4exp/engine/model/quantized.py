@@ -123,9 +123,15 @@ def regroup_q8_0(model: nn.Module) -> int:
                     part.copy_(quant_blocks.split_q8_0(part))
             stack.qtype = "Q8_0_R"
             count += 1
-    if count:
-        from .shared_input import SharedInputProjections
-        for module in model.modules():     # a joined stack holds its members' bytes: joined again, typed anew
-            if isinstance(module, SharedInputProjections):
+    # A joined stack (shared_input.py's input_runs, read here by name: that module imports this one) holds its
+    # members' bytes, which were regrouped in place through their views: it takes their type; a run whose members
+    # now differ in type is joined again by type.
+    for module in model.modules() if count else ():
+        for stack, members in getattr(module, "input_runs", ()):
+            kinds = {module.input_weights()[i].qtype for i in members} if isinstance(stack, QuantizedStack) else set()
+            if len(kinds) == 1:
+                stack.qtype = kinds.pop()
+            elif kinds:
                 module.stack_input_weights()
+                break
     return count
