@@ -10,9 +10,10 @@ block's quants sit at 2-byte alignment. The variants here change one of the two:
 * `dot`: the shipped kernel, its plan;
 * `fma`: the same 34-byte blocks, the product as broadcast multiplies and a sum over the tile (CUDA cores, no
   operand layout);
-* `split fma` / `split dot`: each row's blocks regrouped at load as all their float16 scales, then all their quants
-  (the same bytes; a row of the model's widths stays a multiple of 16 bytes, so the quants load as 16-byte vectors),
-  with either product; `split dot` also at one pipeline stage, where the quants load straight into registers;
+* `split fma` / `split dot`: each row's blocks regrouped as all their float16 scales, then all their quants (the same
+  bytes; a row of the model's widths stays a multiple of 16 bytes, so the quants load as 16-byte vectors), with either
+  product; `split dot` is the engine's Q8_0_R path since it measured fastest (block_products; the regroup at load is
+  quantized.regroup_q8_0), at 1, 2 and 4 pipeline stages;
 * `twin`: the bfloat16 twin (twice the bytes) through row_products.py's plan and through the FMA form.
 
 Every variant multiplies the values the shipped kernel multiplies (d x q rounded to x's dtype) and sums in float32;
@@ -86,43 +87,6 @@ def _fma_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, row_byte
         tl.store(parts_ptr + part * rows * n + offsets, acc, mask=ok)
 
 
-@triton.jit(do_not_specialize=["rows", "n"])   # as the shipped kernel
-def _split_dot_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, row_bytes, part_k, quants_at,
-                      INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SPLIT: tl.constexpr):
-    """The shipped kernel's tensor-core product over the split layout: the [K, N] tile loaded from the quants."""
-    block = tl.program_id(0)
-    part = tl.program_id(1)
-    m = tl.arange(0, BLOCK_M)
-    feats = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    f_ok = feats < n
-    row = w_ptr + feats.to(tl.int64) * row_bytes
-    ks = tl.arange(0, BLOCK_K)
-    groups: tl.constexpr = BLOCK_K // 32
-    begin = part * part_k
-    end = tl.minimum(begin + part_k, k)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for start in range(begin, end, BLOCK_K):
-        x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride + start + ks[None, :],
-                    mask=(m < rows)[:, None] & (start + ks < end)[None, :], other=0.0)
-        q = tl.load(row[None, :] + quants_at + start + ks[:, None], mask=f_ok[None, :] & (start + ks < end)[:, None],
-                    other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        g = tl.arange(0, groups)
-        s = tl.load(row.to(tl.pointer_type(tl.float16))[None, :] + start // 32 + g[:, None],
-                    mask=f_ok[None, :] & (start + g * 32 < end)[:, None], other=0.0).to(tl.float32)
-        w = tl.reshape(tl.reshape(q, [groups, 32, BLOCK_N]) * s[:, None, :], [BLOCK_K, BLOCK_N])
-        w = round_to(w, x_ptr.dtype.element_ty, INTERPRETED)
-        if INTERPRETED:                       # the interpreter's dot takes no bfloat16
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, w, acc)
-    offsets = m[:, None].to(tl.int64) * n + feats[None, :]
-    ok = (m < rows)[:, None] & f_ok[None, :]
-    if not SPLIT:
-        tl.store(out_ptr + offsets, round_to(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
-    else:
-        tl.store(parts_ptr + part * rows * n + offsets, acc, mask=ok)
-
-
 def split_layout(blocks: torch.Tensor) -> torch.Tensor:
     """Q8_0 rows [N, K/32 * 34] regrouped as [N, K/16 bytes of float16 scales | K quants]: the same bytes."""
     n = blocks.shape[0]
@@ -167,9 +131,8 @@ def variants(n: int, k: int, rows: int) -> dict[str, tuple]:
             config = {"BLOCK_N": block_n, "BLOCK_K": 128, "SPLIT_K": planned["SPLIT_K"] * split_mul,
                       "BLOCK_M": block_m, "num_warps": 4, "num_stages": 2}
             out[f"twin fma n{block_n} k128 split{config['SPLIT_K']}"] = (_fma_kernel, "twin", config)
-    for stages in (1, 2, 4):
-        config = planned | {"BLOCK_M": 16, "num_stages": stages}
-        out[f"split dot stages{stages}"] = (_split_dot_kernel, "split", config)
+    for stages in (1, 2, 4):                 # the engine's own Q8_0_R path (block_products), at each pipeline depth
+        out[f"split dot stages{stages}"] = ("Q8_0_R", "split", planned | {"num_stages": stages})
     return out
 
 
@@ -178,10 +141,10 @@ def run(kernel, layout, config, x, blocks, split, twin, n, k):
         return block_products.block_row_products(x, blocks, "Q8_0", dict(config))
     if kernel == "twin":
         return row_products.row_products(x, twin)
+    if kernel == "Q8_0_R":
+        return block_products.block_row_products(x, split, "Q8_0_R", dict(config))
     weight = {"split": split, "blocks": blocks, "twin": twin}[layout]
-    flags = {"INTERPRETED": interpreted(x)}
-    if kernel is _fma_kernel:
-        flags["LAYOUT"] = ("blocks", "split", "twin").index(layout)
+    flags = {"INTERPRETED": interpreted(x), "LAYOUT": ("blocks", "split", "twin").index(layout)}
     return launch(kernel, x, weight, n, k, config, **flags)
 
 
