@@ -43,15 +43,15 @@ def resolve_model(name: str) -> Path:
 
 
 def resolve_head(name: str) -> Path:
-    """What `mtp_weights` names: a safetensors checkpoint's directory, or the Hugging Face id of one, of which only
-    the small files and the shards holding `mtp.*` are fetched (hub.resolve_tensors)."""
+    """What `mtp_weights` names, as an absolute path: a safetensors checkpoint's directory, or the Hugging Face id of
+    one, of which only the small files and the shards holding `mtp.*` are fetched (hub.resolve_tensors)."""
     path = Path(name).expanduser()
     if path.is_dir():
-        return path
+        return path.resolve()
     found = hub_id(name)
     if found is not None:
         try:
-            return resolve_tensors(found, "mtp.")
+            return resolve_tensors(found, "mtp.").resolve()
         except HubError as err:
             raise SystemExit(f"error: mtp_weights {name!r}: {err}") from None
     raise SystemExit(f"error: mtp_weights {name!r} is neither a directory nor a Hugging Face id (org/repo) of a "

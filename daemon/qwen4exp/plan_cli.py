@@ -132,7 +132,7 @@ def _config(args: argparse.Namespace):
              "device_memory_limit": parse_limit(args.device_memory_limit), "headroom": args.headroom}
     config = replace(config, **{key: value for key, value in flags.items() if value is not None})
     if args.mtp_weights is not None:
-        config = replace(config, mtp_weights=str(resolve_head(args.mtp_weights).resolve()))
+        config = replace(config, mtp_weights=str(resolve_head(args.mtp_weights)))
     device = config.torch_device()
     if args.chunk is not None or args.profile is None:
         config = replace(config, chunk=_chunk(args.chunk or "auto", device))

@@ -119,7 +119,7 @@ class EngineConfig:
                    queue_limit=settings.server.queue_limit, cuda_graphs=settings.cuda_graphs,
                    compile_decode=settings.compile_decode, decode_beside_prompts=settings.decode_beside_prompts,
                    batch_prompts=settings.batch_prompts, ple=settings.ple, mtp=settings.mtp,
-                   mtp_weights=str(resolve_head(settings.mtp_weights).resolve()) if settings.mtp_weights else None,
+                   mtp_weights=str(resolve_head(settings.mtp_weights)) if settings.mtp_weights else None,
                    split=tuple((d.name, settings.memory_limit_for(d)) for d in settings.split_devices),
                    hot_experts=settings.hot_experts)
 
