@@ -56,7 +56,7 @@ def head_source(path: str | Path, model_cfg: ModelConfig, model_label: str) -> H
     if not path.is_dir():
         what = "no such directory" if not path.exists() else "not a directory"
         from ..hub import HubId
-        hint = " (a Hugging Face id is fetched by serve, generate and plan, not by an estimate)" \
+        hint = " (serve, generate and plan fetch a Hugging Face id; here, name the release's local directory)" \
             if HubId.parse(str(path)) is not None else ""
         raise CheckpointError(f"mtp_weights = {str(path)!r}: {what}{hint}; point it at the directory of a safetensors "
                               f"checkpoint of the model (config.json, the index, and the shards holding its mtp.* "
