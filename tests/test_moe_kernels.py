@@ -217,6 +217,39 @@ def check_in_register_dequantization_is_the_torch_forms_bit_for_bit():
         assert torch.equal(gather_rows(table, qtype, ids, torch.bfloat16), want.reshape(6, -1)[ids].bfloat16())
 
 
+def decode_kernels_read_each_weight_exactly(device: str) -> None:
+    """The decode down kernel in each of its forms (quant_tiles.row_form: a 32-value block as two runs of 16
+    values, or a byte a value, which the gate/up kernel runs), over rows of two steps, the second cut short: with
+    each pair's h one column's indicator and its route weight 1, a pair's output is that column of its expert's
+    weight, which must be the torch form's value (every other product is an exact zero)."""
+    import torch
+    from torch.nn.functional import one_hot
+
+    from qwen4exp.engine.model.quant_blocks import dequantize
+    from qwen4exp.kernels import moe_blocks
+    from qwen4exp.kernels.guard import interpreted
+    from qwen4exp.kernels.quant_tiles import HALVES
+
+    rows = 16
+    for qtype in HALVES + ("Q4_K", "Q6_K"):
+        # 160: 5 blocks, the halves form's 4-block steps, the second cut short; 512: 4 of the byte form's steps
+        length = 160 if qtype in HALVES else 512
+        down = _stack(qtype, (3, rows, length), 5).to(device)
+        columns = torch.arange(0, length, 7)          # in every block and sub-block
+        ids = (columns % 3).reshape(-1, 1)            # one pair a row (top-1), its column on one of 3 experts
+        h = one_hot(columns, length).bfloat16().to(device)
+        y = torch.empty(len(columns), rows, device=device)
+        moe_blocks.rows_down(h, ids.to(device), torch.ones(len(columns), 1).bfloat16().to(device), ids.to(device),
+                             down, y, 1, dict(INTERPRETED=interpreted(h), HAS_ACTIVE=False))
+        want = dequantize(down.blocks.cpu(), qtype)[ids[:, 0], :, columns]    # expert ids[c]'s column c
+        # equal as numbers: a zero weight's sign is lost in the sum (+0 + -0 = +0), which changes no product
+        assert torch.equal(y.cpu(), want), qtype
+
+
+def check_the_decode_kernels_read_each_weight_as_the_torch_form_gives_it():
+    decode_kernels_read_each_weight_exactly("cpu")
+
+
 def check_block_stacks_give_their_dense_twins_results():
     """moe_grouped over quantized stacks (tiles dequantized in the GEMMs, or the stacks dequantized whole for a
     long chunk) gives what the dense kernel gives on the stacks' dense twins (the dequantized experts in
@@ -346,9 +379,10 @@ if __name__ == "__main__":
 
 @pytest.mark.gpu
 def test_block_kernels_on_the_gpu():
-    """Compiled, on a GPU: the in-register dequantization is the torch form's bit for bit for every type, and the
-    block kernels give their dense twins' results (decode multiplies by float32 weights, not the twin's bfloat16,
-    and compiled tilings sum in another order: up to rounding) with each row independent of the others."""
+    """Compiled, on a GPU: the in-register dequantization is the torch form's bit for bit for every type, in the
+    decode down kernel's two forms too (decode_kernels_read_each_weight_exactly), and the block kernels give their
+    dense twins' results (decode multiplies by float32 weights, not the twin's bfloat16, and compiled tilings sum
+    in another order: up to rounding) with each row independent of the others."""
     import torch
 
     from qwen4exp.checkpoint.gguf_blocks import random_blocks
@@ -358,6 +392,7 @@ def test_block_kernels_on_the_gpu():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    decode_kernels_read_each_weight_exactly("cuda")
     for qtype in QTYPES:
         blocks = torch.from_numpy(random_blocks(qtype, (64, 2560), 0.5, 3)).cuda()
         assert torch.equal(dequantize_rows(blocks, qtype).view(torch.int32),

@@ -2,10 +2,13 @@
 
 A stack kept quantized (engine/model/quantized.py's QuantizedStack: `blocks` uint8 [E, rows, row bytes], `qtype`,
 `shape`) never exists dense on the device. Each kernel reads the blocks of the weight rows it multiplies and
-dequantizes them in registers (quant_tiles.py), in tiles of whole 32-value groups:
+dequantizes them in registers (quant_tiles.py), in tiles of whole blocks:
 
 * decode (`rows_gate_up`, `rows_down`): a (row, slot) pair's matrix-vector products, as moe.py's dense ones:
-  [BLOCK_N, GROUPS, 32] tiles of weights against the row's values, float32 sums, fixed grids (CUDA-graph safe);
+  tiles of BLOCK_N weight rows against the row's values, float32 sums, fixed grids (CUDA-graph safe); gate and up
+  each in a pass of their own, GROUPS 32-value groups a step, a byte a value; down over a GGML 32-value type (the
+  down types of llama.cpp's mixes, whose 640-value rows hold no whole 256-value block) GROUPS blocks a step, each
+  read as two runs of 16 values in whole runs of bytes (quant_tiles.row_form), over the others as gate/up;
 * prefill (`grouped_gate_up`, `grouped_down`): the grouped GEMMs over pairs sorted by expert, each weight tile
   dequantized, rounded to x's dtype and fed to the tensor cores as the dense kernels' tiles are; a chunk whose
   experts get many pairs each runs the dense kernels on the stack dequantized whole instead (`dequantized_for`:
@@ -24,11 +27,15 @@ from __future__ import annotations
 import torch
 
 from .guard import tl, triton
-from .quant_tiles import dequantize_groups, grid_for
+from .quant_tiles import grid_for, row_form
 
-# Decode: as moe.py's ROWS_* (the same weight rows per program, 512 and 128 values a step along the row).
+# Decode: BLOCK_N weight rows a program, GROUPS 32-value groups a step along the row. Down by quant_tiles.row_form:
+# the halves form's tile is the fastest or within 2% of it at the full model's shapes with 1 and 4 busy rows, for
+# Q5_1 and Q8_0 (bench/moe_rows_variants.py --sweep on an H100). Gate/up reads a byte a value for every type: the
+# halves form took longer over Q8_0 with one busy row, and a Q4_K block a step as written here 2.6-3x as long
+# (docs/PERFORMANCE.md).
 ROWS_GATE_UP = dict(BLOCK_N=8, GROUPS=16, num_warps=4)
-ROWS_DOWN = dict(BLOCK_N=16, GROUPS=4, num_warps=4)
+ROWS_DOWN = {"halves": dict(BLOCK_N=32, GROUPS=4, num_warps=4), "groups": dict(BLOCK_N=16, GROUPS=4, num_warps=4)}
 # Prefill: from this many pairs per expert on average (a 3277-token chunk of the full model: 512 experts, top-10),
 # a quantized stack is dequantized whole for the chunk (dequantized_for). Below it the GEMMs dequantize their
 # tiles: one row block (GROUPED_BLOCK_M = 64 pairs) an expert dequantizes each tile once, which costs less than
@@ -39,15 +46,43 @@ DENSE_FROM = 64
 
 if triton is not None:
     from .expert_groups import tile_of, tile_pairs
-    from .quant_tiles import LANES, weight_tile
+    from .quant_tiles import LANES, dequantize_groups, dequantize_halves, halves_columns, weight_tile
     from .rounding import round_to, silu_mul
+
+    @triton.jit
+    def _row_products(w_rows, feat_ok, v_row, length, grid_ptr, QTYPE: tl.constexpr, FORM: tl.constexpr,
+                      GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The float32 products w_n . v of BLOCK_N weight rows (`w_rows` [BLOCK_N, 1, 1] byte pointers, `feat_ok`
+        which exist) with the `length` values at `v_row`, GROUPS 32-value blocks a step: read as two runs of 16
+        values each (FORM "halves") or a byte a value ("groups")."""
+        if FORM == "halves":
+            step = tl.arange(0, GROUPS)[None, :, None]
+            i = tl.arange(0, LANES // 2)[None, None, :]
+            acc = tl.zeros([BLOCK_N, GROUPS, LANES // 2], dtype=tl.float32)
+            for first in range(0, length // LANES, GROUPS):
+                block = first + step
+                exists = block < length // LANES
+                low, high = dequantize_halves(w_rows, block, i, feat_ok & exists, grid_ptr, QTYPE)
+                low_col, high_col = halves_columns(block, i, QTYPE)
+                acc += low * tl.load(v_row + low_col, mask=exists, other=0.0).to(tl.float32)
+                acc += high * tl.load(v_row + high_col, mask=exists, other=0.0).to(tl.float32)
+        else:
+            group = (tl.arange(0, GROUPS) * LANES)[None, :, None]
+            lane = tl.arange(0, LANES)[None, None, :]
+            acc = tl.zeros([BLOCK_N, GROUPS, LANES], dtype=tl.float32)
+            for start in range(0, length, GROUPS * LANES):
+                col = start + group
+                col_ok = col < length
+                v = tl.load(v_row + col + lane, mask=col_ok, other=0.0).to(tl.float32)
+                acc += dequantize_groups(w_rows, col, lane, feat_ok & col_ok, grid_ptr, QTYPE) * v
+        return tl.sum(tl.sum(acc, axis=2), axis=1)
 
     # top_k is not specialized: engine/hot_experts.py runs pairs as rows of one slot each, which would make 1
     # a binary of its own, built on a request's path.
     @triton.jit(do_not_specialize=["top_k"])
     def _rows_gate_up_blocks_kernel(x_ptr, ids_ptr, active_ptr, w_ptr, grid_ptr, h_ptr, hidden, inter, top_k, row_bytes,
                                     QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+                                    FORM: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
         """h[pair, n] = silu(gate_n . x_row) * (up_n . x_row) for one (row, slot) pair and BLOCK_N features."""
         pair = tl.program_id(0)
         row = pair // top_k
@@ -55,33 +90,20 @@ if triton is not None:
             if tl.load(active_ptr + row) == 0:
                 return
         expert = tl.load(ids_ptr + pair).to(tl.int64)
-        dtype = h_ptr.dtype.element_ty
         feat = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         feat_ok = (feat < inter)[:, None, None]
         gate_rows = w_ptr + ((expert * 2 * inter + feat) * row_bytes)[:, None, None]
-        up_rows = gate_rows + inter * row_bytes
-        group = (tl.arange(0, GROUPS) * LANES)[None, :, None]
-        lane = tl.arange(0, LANES)[None, None, :]
         x_row = x_ptr + row.to(tl.int64) * hidden
-        acc_gate = tl.zeros([BLOCK_N, GROUPS, LANES], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, GROUPS, LANES], dtype=tl.float32)
-        for start in range(0, hidden, GROUPS * LANES):
-            col = start + group
-            col_ok = col < hidden
-            xv = tl.load(x_row + col + lane, mask=col_ok, other=0.0).to(tl.float32)
-            ok = feat_ok & col_ok
-            gate = dequantize_groups(gate_rows, col, lane, ok, grid_ptr, QTYPE)
-            up = dequantize_groups(up_rows, col, lane, ok, grid_ptr, QTYPE)
-            acc_gate += gate * xv
-            acc_up += up * xv
-        h = silu_mul(tl.sum(tl.sum(acc_gate, axis=2), axis=1), tl.sum(tl.sum(acc_up, axis=2), axis=1), dtype,
-                     INTERPRETED)
+        gate = _row_products(gate_rows, feat_ok, x_row, hidden, grid_ptr, QTYPE, FORM, GROUPS, BLOCK_N)
+        up = _row_products(gate_rows + inter * row_bytes, feat_ok, x_row, hidden, grid_ptr, QTYPE, FORM, GROUPS,
+                           BLOCK_N)
+        h = silu_mul(gate, up, h_ptr.dtype.element_ty, INTERPRETED)
         tl.store(h_ptr + pair.to(tl.int64) * inter + feat, h, mask=feat < inter)
 
     @triton.jit(do_not_specialize=["top_k"])   # as the gate/up kernel's
     def _rows_down_blocks_kernel(h_ptr, ids_ptr, weights_ptr, active_ptr, w_ptr, grid_ptr, y_ptr, hidden, inter, top_k,
                                  row_bytes, QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+                                 FORM: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
         """y[pair, n] = weight[pair] * (down_n . h[pair]) in float32, for BLOCK_N output features."""
         pair = tl.program_id(0)
         row = pair // top_k
@@ -92,17 +114,9 @@ if triton is not None:
         feat = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         feat_ok = (feat < hidden)[:, None, None]
         w_rows = w_ptr + ((expert * hidden + feat) * row_bytes)[:, None, None]
-        group = (tl.arange(0, GROUPS) * LANES)[None, :, None]
-        lane = tl.arange(0, LANES)[None, None, :]
         h_row = h_ptr + pair.to(tl.int64) * inter
-        acc = tl.zeros([BLOCK_N, GROUPS, LANES], dtype=tl.float32)
-        for start in range(0, inter, GROUPS * LANES):
-            col = start + group
-            col_ok = col < inter
-            hv = tl.load(h_row + col + lane, mask=col_ok, other=0.0).to(tl.float32)
-            w = dequantize_groups(w_rows, col, lane, feat_ok & col_ok, grid_ptr, QTYPE)
-            acc += w * hv
-        y = tl.sum(tl.sum(acc, axis=2), axis=1) * tl.load(weights_ptr + pair).to(tl.float32)
+        y = _row_products(w_rows, feat_ok, h_row, inter, grid_ptr, QTYPE, FORM, GROUPS, BLOCK_N)
+        y = y * tl.load(weights_ptr + pair).to(tl.float32)
         tl.store(y_ptr + pair.to(tl.int64) * hidden + feat, y, mask=feat < hidden)
 
     @triton.jit(do_not_specialize=["num_pairs"])   # a prompt's length changes it: one binary for all
@@ -172,6 +186,8 @@ def _operands(stack) -> tuple[torch.Tensor, torch.Tensor, int]:
     blocks = stack.blocks
     if not blocks.is_contiguous():
         raise ValueError("a quantized expert stack's blocks must be contiguous")
+    if blocks.data_ptr() % 2:        # the decode kernels read a block's fields as 16-bit words
+        raise ValueError("a quantized expert stack's blocks must start 2-byte aligned")
     return blocks, grid_for(stack.qtype, blocks), blocks.shape[-1]
 
 
@@ -181,16 +197,18 @@ def rows_gate_up(x, ids, flags, stack, h, top_k: int, common: dict) -> None:
     pairs, inter = h.shape
     grid = (pairs, triton.cdiv(inter, ROWS_GATE_UP["BLOCK_N"]))
     _rows_gate_up_blocks_kernel[grid](x, ids, flags, blocks, grid_table, h, x.shape[1], inter, top_k, row_bytes,
-                               QTYPE=stack.qtype, **common, **ROWS_GATE_UP)
+                                      QTYPE=stack.qtype, FORM="groups", **common, **ROWS_GATE_UP)
 
 
 def rows_down(h, ids, weights, flags, stack, y, top_k: int, common: dict) -> None:
     """moe.py's decode down launch for a quantized [E, H, I] stack."""
     blocks, grid_table, row_bytes = _operands(stack)
     pairs, hidden = y.shape
-    grid = (pairs, triton.cdiv(hidden, ROWS_DOWN["BLOCK_N"]))
+    form = row_form(stack.qtype)
+    config = ROWS_DOWN[form]
+    grid = (pairs, triton.cdiv(hidden, config["BLOCK_N"]))
     _rows_down_blocks_kernel[grid](h, ids, weights, flags, blocks, grid_table, y, hidden, h.shape[1], top_k, row_bytes,
-                            QTYPE=stack.qtype, **common, **ROWS_DOWN)
+                                   QTYPE=stack.qtype, FORM=form, **common, **config)
 
 
 def dequantized_for(stack, pairs: int) -> bool:

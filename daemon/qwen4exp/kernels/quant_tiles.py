@@ -36,6 +36,15 @@ LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 QTYPES = tuple(LAYOUTS)
 GROUP = 32   # values that share their scale fields, in every type above
+# The 32-value types a decode product reads a block at a time, as two runs of 16 values (dequantize_halves): their
+# blocks have an even size, so every block's 16-bit fields are 2-byte aligned; Q8_0's quants pair up in 16-bit words.
+HALVES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
+
+
+def row_form(qtype: str) -> str:
+    """How the decode down product over experts reads a row of `qtype`: "halves" (dequantize_halves) or "groups" (a
+    byte a value, dequantize_groups: the K-quants, IQ4_XS and the FP8 types, which have no wider form yet)."""
+    return "halves" if qtype in HALVES else "groups"
 
 
 @functools.cache
@@ -171,6 +180,75 @@ if triton is not None:
             low = (_u8(base + 4 + (j >> 1), mask) >> ((j & 1) * 4)) & 15
             scale = _f16(base, mask) * ((low | (high << 4)) - 32).to(tl.float32)
             return scale * tl.load(grid_ptr + _nibble(base + 8 + j * 16, lane, mask))
+
+    @triton.jit
+    def _f16_at(ptr, mask):
+        """The float16 at the 2-byte aligned `ptr` as float32, in one load."""
+        return tl.load(ptr.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _nibbles(ptr, i, mask):
+        """A 32-value run of 4-bit quants stored as 16 bytes at `ptr`: (values i, values i + 16) for `i` 0..15."""
+        pairs = tl.load(ptr + i, mask=mask, other=0).to(tl.int32)
+        return pairs & 15, pairs >> 4
+
+    @triton.jit
+    def _fifth_bits(ptr, i, mask):
+        """The fifth bits of values i and i + 16 from the little-endian 32-bit field at the 2-byte aligned `ptr`."""
+        words = ptr.to(tl.pointer_type(tl.uint16))
+        low = tl.load(words, mask=mask, other=0).to(tl.int32)
+        high = tl.load(words + 1, mask=mask, other=0).to(tl.int32)
+        return ((low >> i) & 1) << 4, ((high >> i) & 1) << 4
+
+    @triton.jit
+    def dequantize_halves(row, block, i, mask, grid_ptr, QTYPE: tl.constexpr):
+        """float32 values of whole 32-value blocks (QTYPE one of HALVES) read as two runs of 16: `row` points at each
+        row's first byte, `block` is each block's index in its row, `i` 0..15 (any broadcastable shapes); `mask`
+        says which (row, block) exist. Gives (the values at columns 32 block + i, those at 32 block + i + 16), for
+        Q8_0 (32 block + 2i, 32 block + 2i + 1): a block's quant bytes load as one run its alignment lets Triton
+        vectorize (the byte-wise reads of dequantize_groups do not), and each value is dequantize_groups' bit for
+        bit, formed in the same order."""
+        if QTYPE == "Q8_0":
+            base = row + block * 34
+            d = _f16_at(base, mask)
+            words = tl.load((base + 2).to(tl.pointer_type(tl.int16)) + i, mask=mask, other=0).to(tl.int32)
+            return d * ((words << 24) >> 24).to(tl.float32), d * (words >> 8).to(tl.float32)
+        elif QTYPE == "Q4_0":
+            base = row + block * 18
+            d = _f16_at(base, mask)
+            low, high = _nibbles(base + 2, i, mask)
+            return d * (low.to(tl.float32) - 8), d * (high.to(tl.float32) - 8)
+        elif QTYPE == "Q4_1":
+            base = row + block * 20
+            d, m = _f16_at(base, mask), _f16_at(base + 2, mask)
+            low, high = _nibbles(base + 4, i, mask)
+            return d * low.to(tl.float32) + m, d * high.to(tl.float32) + m
+        elif QTYPE == "Q5_0":
+            base = row + block * 22
+            d = _f16_at(base, mask)
+            low, high = _nibbles(base + 6, i, mask)
+            fifth_low, fifth_high = _fifth_bits(base + 2, i, mask)
+            return d * ((low | fifth_low).to(tl.float32) - 16), d * ((high | fifth_high).to(tl.float32) - 16)
+        elif QTYPE == "Q5_1":
+            base = row + block * 24
+            d, m = _f16_at(base, mask), _f16_at(base + 2, mask)
+            low, high = _nibbles(base + 8, i, mask)
+            fifth_low, fifth_high = _fifth_bits(base + 4, i, mask)
+            return d * (low | fifth_low).to(tl.float32) + m, d * (high | fifth_high).to(tl.float32) + m
+        else:
+            tl.static_assert(QTYPE == "IQ4_NL", "dequantize_halves reads the 32-value types of HALVES")
+            base = row + block * 18
+            d = _f16_at(base, mask)
+            low, high = _nibbles(base + 2, i, mask)
+            return d * tl.load(grid_ptr + low), d * tl.load(grid_ptr + high)
+
+    @triton.jit
+    def halves_columns(block, i, QTYPE: tl.constexpr):
+        """The columns of dequantize_halves' two runs of values."""
+        if QTYPE == "Q8_0":
+            return block * 32 + 2 * i, block * 32 + 2 * i + 1
+        else:
+            return block * 32 + i, block * 32 + i + 16
 
     @triton.jit
     def split_q8_0_groups(row, quants_at, col, lane, mask):
