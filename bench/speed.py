@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import inspect
 import json
 import math
 import os
@@ -494,17 +495,21 @@ def measure_transformers(reference, args, limit: int, device: torch.device, our_
     with torch.inference_mode():
         ids = torch.tensor([prompt_ids(args.decode_prompt, limit, 100)], device=device)
         out = reference(input_ids=ids, use_cache=True, logits_to_keep=1)
-        cache, greedy, samples = out.past_key_values, [int(out.logits[0, -1].argmax())], []
+        # transformers renamed forward's past_key_values to cache (5.2x); older releases (the H200 host's) know only
+        # the old name
+        renamed = "cache" in inspect.signature(reference.forward).parameters
+        keyword = "cache" if renamed else "past_key_values"
+        cache, greedy, samples = out[keyword], [int(out.logits[0, -1].argmax())], []
         for step in range(args.decode_warmup + steps):
             sync(device)
             started = time.perf_counter()
-            out = reference(input_ids=torch.tensor([[greedy[-1]]], device=device), past_key_values=cache,
-                            use_cache=True, logits_to_keep=1)
+            out = reference(input_ids=torch.tensor([[greedy[-1]]], device=device), use_cache=True, logits_to_keep=1,
+                            **{keyword: cache})
             token = int(out.logits[0, -1].argmax())
             sync(device)
             if step >= args.decode_warmup:
                 samples.append(time.perf_counter() - started)
-            cache = out.past_key_values
+            cache = out[keyword]
             greedy.append(token)
         del out, cache
         release(device)
