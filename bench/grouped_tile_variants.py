@@ -37,6 +37,7 @@ from qwen4exp.kernels.guard import interpreted
 from qwen4exp.kernels.quant_tiles import dequantize_halves, grid_for
 from qwen4exp.kernels.rounding import round_to, silu_mul
 
+from experiment_results import save
 from moe_rows_variants import _half, _k_scale_min     # the bench's word-wise Q4_K scale reads
 
 EXPERTS, HIDDEN, INTER, TOP_K = 512, 2560, 640, 10
@@ -244,10 +245,7 @@ def main() -> None:
                 entry[f"{name} ms"] = round(triton.testing.do_bench(run), 4)
             print(json.dumps(entry), flush=True)
             results.append(entry)
-            if args.out:                          # after each entry: a run cut short keeps what it measured
-                with open(args.out, "w") as f:
-                    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "triton": triton.__version__, "results": results}, f, indent=1)
+            save(args.out, results)
 
 
 if __name__ == "__main__":

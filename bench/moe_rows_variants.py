@@ -223,6 +223,7 @@ def main() -> None:
     if args.check:
         check("cuda" if torch.cuda.is_available() else "cpu")
         return
+    from experiment_results import save
     from graph_timing import graph_us
     calls = 16                           # each call's rows pick other experts: the weights stream from memory
     stacks = {case: make_stack(case[1], (EXPERTS, 2 * INTER, HIDDEN) if case[0] == "gate/up" else
@@ -262,10 +263,7 @@ def main() -> None:
             print(json.dumps({k: entry[k] for k in ("case", "busy")} | {"shipped": entry[next(iter(table))],
                                                                           "best": entry["best"]}), flush=True)
             results.append(entry)
-            if args.out:                          # after each entry: a run cut short keeps what it measured
-                with open(args.out, "w") as f:
-                    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "triton": triton.__version__, "results": results}, f, indent=1)
+            save(args.out, results)
 
 
 if __name__ == "__main__":

@@ -174,6 +174,7 @@ def main() -> None:
     if args.check:
         check("cuda" if torch.cuda.is_available() else "cpu")
         return
+    from experiment_results import save
     from graph_timing import graph_us
     results = []
     for n, k in SHAPES:
@@ -202,10 +203,7 @@ def main() -> None:
             print(json.dumps({"shape": entry["shape"], "rows": rows, "shipped": entry["dot (shipped plan)"],
                               "best": entry["best"]}), flush=True)
             results.append(entry)
-            if args.out:                          # after each entry: a run cut short keeps what it measured
-                with open(args.out, "w") as f:
-                    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "triton": triton.__version__, "results": results}, f, indent=1)
+            save(args.out, results)
 
 
 if __name__ == "__main__":
