@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qwen4exp.checkpoint.gguf_blocks import fill_random_blocks
 from qwen4exp.engine.model.quantized import QuantizedStack
 from qwen4exp.kernels import moe, moe_blocks
 from qwen4exp.kernels.expert_groups import group_pairs_by_expert, tile_of, tile_pairs
@@ -38,7 +37,7 @@ from qwen4exp.kernels.quant_tiles import dequantize_halves, grid_for
 from qwen4exp.kernels.rounding import round_to, silu_mul
 
 from experiment_results import save
-from moe_rows_variants import _half, _k_scale_min     # the bench's word-wise Q4_K scale reads
+from moe_rows_variants import _half, _k_scale_min, make_stack     # the Q4_K scale reads as words
 
 EXPERTS, HIDDEN, INTER, TOP_K = 512, 2560, 640, 10
 
@@ -203,12 +202,6 @@ def both(product: str, stack, args, block_m: int, top_k: int):
         runs[name]()
         outs[name] = out
     return outs, runs
-
-
-def make_stack(qtype: str, shape: tuple, device, seed: int) -> QuantizedStack:
-    stack = QuantizedStack(qtype, shape, torch.bfloat16).to(device)
-    fill_random_blocks(stack.blocks, qtype, shape[-1] ** -0.5, seed=seed)
-    return stack
 
 
 def check() -> None:

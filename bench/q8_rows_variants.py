@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from qwen4exp.checkpoint.gguf_blocks import fill_random_blocks
+from qwen4exp.engine.model.quant_blocks import split_q8_0
 from qwen4exp.kernels import block_products, row_products
 from qwen4exp.kernels.guard import interpreted
 from qwen4exp.kernels.quant_tiles import dequantize_groups, dequantize_rows
@@ -85,13 +86,6 @@ def _fma_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, row_byte
         tl.store(out_ptr + offsets, round_to(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
     else:
         tl.store(parts_ptr + part * rows * n + offsets, acc, mask=ok)
-
-
-def split_layout(blocks: torch.Tensor) -> torch.Tensor:
-    """Q8_0 rows [N, K/32 * 34] regrouped as [N, K/16 bytes of float16 scales | K quants]: the same bytes."""
-    n = blocks.shape[0]
-    b = blocks.view(n, -1, 34)
-    return torch.cat([b[:, :, :2].reshape(n, -1), b[:, :, 2:].reshape(n, -1)], dim=1).contiguous()
 
 
 def launch(kernel, x, w, n, k, config: dict, **flags) -> torch.Tensor:
@@ -153,7 +147,7 @@ def check(device: str) -> None:
     n, k = 40, 640
     blocks = torch.empty(n, k // 32 * 34, dtype=torch.uint8, device=device)
     fill_random_blocks(blocks, "Q8_0", 0.02, seed=1)
-    split = split_layout(blocks)
+    split = split_q8_0(blocks)
     twin = dequantize_rows(blocks, "Q8_0").to(torch.bfloat16)
     for rows in (1, 3):
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
@@ -184,7 +178,7 @@ def main() -> None:
         for i in range(copies):
             blocks = torch.empty(n, k // 32 * 34, dtype=torch.uint8, device="cuda")
             fill_random_blocks(blocks, "Q8_0", 0.02, seed=i)
-            stacks.append((blocks, split_layout(blocks), dequantize_rows(blocks, "Q8_0").to(torch.bfloat16)))
+            stacks.append((blocks, split_q8_0(blocks), dequantize_rows(blocks, "Q8_0").to(torch.bfloat16)))
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             want = block_products.block_row_products(x, stacks[0][0], "Q8_0").float()
