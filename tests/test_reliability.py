@@ -204,6 +204,28 @@ def test_health_answers_while_large_bodies_are_prepared(server):
     assert slowest < 1.0, f"/health took {slowest:.2f} s while bodies were prepared"
 
 
+_ASKED = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2}
+_CALLED = {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                               "function": {"name": "f", "arguments": "{}"}}]}
+
+
+def _called(**function) -> dict:
+    """An assistant turn that called f, its function fields replaced by `function`."""
+    call = _CALLED["tool_calls"][0]
+    return _CALLED | {"tool_calls": [call | {"function": call["function"] | function}]}
+
+
+def _tool(**function) -> dict:
+    return {"type": "function", "function": {"name": "f"} | function}
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
 @pytest.mark.parametrize("path, body, param, message", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "stream_options": "yes"},
      "stream_options", "'stream_options' must be an object"),
@@ -215,13 +237,62 @@ def test_health_answers_while_large_bodies_are_prepared(server):
      "'top_logprobs' needs 'logprobs': true"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "a"}]}, "messages",
      "messages[0].role must be one of"),
+    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "a"}]}, "messages",
+     "messages[0].role must be one of"),
+    # What the chat template renders: a call's arguments (a string or an object), a tool's schema, template
+    # variables. Too deep for the renderer, past the integers Python reads, or not valid Unicode.
+    ("/v1/chat/completions", {"messages": [_called(arguments='{"a":' * 3000 + "1" + "}" * 3000)]},
+     "messages", "messages[0].tool_calls[0].function.arguments is nested too deeply to read"),
+    ("/v1/chat/completions", {"messages": [_called(arguments='{"a": ' + "9" * 5000 + "}")]}, "messages",
+     "messages[0].tool_calls[0].function.arguments has a number that cannot be read"),
+    ("/v1/chat/completions", {"messages": [_called(arguments={"x": "\ud800"})]}, "messages",
+     "'messages[0].tool_calls[0].function.arguments.x' has a lone surrogate"),
+    ("/v1/chat/completions", {"messages": [_called(name="f\udc00")]}, "messages",
+     "'messages[0].tool_calls[0].function.name' has a lone surrogate"),
+    ("/v1/chat/completions", _ASKED | {"tools": [_tool(description="\ud800")]}, "tools",
+     "'tools[0].function.description' has a lone surrogate"),
+    ("/v1/chat/completions", _ASKED | {"tools": [_tool(parameters={"properties": {"\udc00": {}}})]}, "tools",
+     "'tools[0].function.parameters.properties (a key)' has a lone surrogate"),
+    ("/v1/chat/completions", _ASKED | {"tools": [_tool(parameters=_nested(900))]}, "tools",
+     "is nested more than 32 levels deep"),
+    ("/v1/chat/completions", _ASKED | {"chat_template_kwargs": {"x": _nested(900)}}, "chat_template_kwargs",
+     "is nested more than 32 levels deep"),
+    ("/v1/chat/completions", _ASKED | {"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs",
+     "key 'self' is not a template variable's name"),
+    # An integer past float's range, in a float field; and a sampling field's error names its field.
+    ("/generate", {"prompt": "a", "temperature": 10 ** 400}, "temperature", "got an integer of 1329 bits"),
+    ("/v1/completions", {"prompt": "a", "top_p": 2}, "top_p", "top_p must be a number in (0, 1], got 2.0"),
+    ("/generate", {"prompt": "a", "stop": ["x" * 300]}, "stop", "'stop[0]' has 300 characters; at most 256"),
+    ("/v1/chat/completions", _ASKED | {"n": True}, "n", "only n = 1 is supported"),
+    ("/park", {"level": {}}, "level", "'level' must be \"release\" or \"offload\", got {}"),
+    ("/park", {"mdoe": "abort"}, "mdoe", "unknown field(s) for /park: mdoe"),
 ])
 def test_bodies_that_made_500s_get_400s_naming_the_field(server, path, body, param, message):
     raw = json.dumps(body).encode()          # json.dumps writes lone surrogates as \ud800 escapes
-    status, answer, _ = server.request("POST", path, raw=raw)
+    status, answer, _ = server.request("POST", path, raw=raw, key=ADMIN_KEY if path == "/park" else API_KEY)
     assert status == 400, answer
     assert answer["error"]["param"] == param and answer["error"]["type"] == "invalid_request_error"
     assert message in answer["error"]["message"], answer
+    assert server.supervisor.state == "ready"
+
+
+def test_null_is_the_default_for_every_optional_field(server):
+    """OpenAI's schema makes its optional fields nullable; clients send null for what they leave unset."""
+    plain = server.request("POST", "/v1/chat/completions", _ASKED)
+    nulls = {"n": None, "stream": None, "ignore_eos": None, "parallel_tool_calls": None,
+             "temperature": None, "stop": None, "chat_template_kwargs": None}
+    nulled = server.request("POST", "/v1/chat/completions", _ASKED | nulls)
+    assert plain[0] == nulled[0] == 200, nulled[1]
+    assert nulled[1]["choices"][0]["message"] == plain[1]["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_a_body_not_in_its_content_encoding_gets_a_400(server, encoding):
+    status, answer, _ = server.request("POST", "/generate", {"prompt": "a", "max_tokens": 1},
+                                       headers={"Content-Encoding": encoding})
+    assert status == 400 and answer["error"]["message"] == \
+        f"the request body could not be read: Can not decode content-encoding: {encoding}", answer
+    assert server.request("POST", "/generate", {"prompt": "a", "max_tokens": 1})[0] == 200
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -306,3 +377,18 @@ def test_a_client_leaving_mid_stream_is_one_info_line(server, caplog):
     server_records = [r for r in caplog.records if r.name.startswith("qwen4exp.server") or r.name.startswith("aiohttp")]
     assert not [r for r in server_records if r.levelno >= logging.WARNING], \
         [(r.name, r.getMessage()) for r in server_records]
+
+
+def test_a_client_leaving_mid_body_is_one_info_line(server, caplog):
+    caplog.set_level(logging.INFO)
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                 "Content-Length: 1000\r\n\r\n{\"prompt\": \"a".encode())
+    time.sleep(0.2)
+    sock.close()
+    _wait(lambda: any("went away" in r.getMessage() for r in caplog.records), 3, "the INFO line")
+    time.sleep(0.3)
+    server_records = [r for r in caplog.records if r.name.startswith("qwen4exp.server") or r.name.startswith("aiohttp")]
+    assert not [r for r in server_records if r.levelno >= logging.WARNING], \
+        [(r.name, r.getMessage()) for r in server_records]
+    assert server.request("POST", "/generate", {"prompt": "a", "max_tokens": 1})[0] == 200

@@ -47,7 +47,10 @@ class SamplingParams:
             wanted = numbers.Integral if kind is int else numbers.Real
             if isinstance(value, bool) or not isinstance(value, wanted):
                 raise ValueError(f"{f.name} must be {allowed}, got {type(value).__name__} {value!r}")
-            value = kind(value)
+            try:
+                value = kind(value)
+            except OverflowError:       # an integer past float's range, as JSON can write one
+                raise ValueError(f"{f.name} must be {allowed}, got an integer of {value.bit_length()} bits") from None
             if not ok(value):  # NaN fails every range check
                 raise ValueError(f"{f.name} must be {allowed}, got {value!r}")
             object.__setattr__(self, f.name, value)

@@ -16,7 +16,7 @@ from jinja2.exceptions import TemplateError
 
 from .errors import ApiError
 from .reasoning import prompt_opens_thinking
-from .request_fields import plain_text
+from .request_fields import boolean, plain_json, plain_text
 from .tool_calls import check_tool_choice, check_tools, forced_call_prefix, tool_call_format
 
 MESSAGE_KEYS = {"role", "content", "name", "tool_call_id", "tool_calls", "reasoning_content", "reasoning"}
@@ -24,6 +24,8 @@ MESSAGE_KEYS = {"role", "content", "name", "tool_call_id", "tool_calls", "reason
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 SET_BY_THE_SERVER = {"messages", "tools", "add_generation_prompt"}
+# Jinja's own name for the template; a variable of that name would also clash with the tokenizer's method.
+TEMPLATE_RESERVED = {"self"}
 PROMPT_TAIL_TOKENS = 64          # enough to hold the generation prompt, where an open <think> would be
 
 
@@ -42,16 +44,14 @@ def chat_prompt(body: dict, tokenizer) -> tuple[list[int], ChatReading]:
     """The prompt's token ids and the reading of its answer, or ApiError(400) naming the field."""
     messages = _messages(body)
     try:
-        tools = check_tools(body["tools"]) if body.get("tools") is not None else []
+        tools = plain_json(check_tools(body["tools"]), "tools") if body.get("tools") is not None else []
     except ValueError as err:
         raise ApiError(400, str(err), param="tools") from None
     try:
         mode, name = check_tool_choice(body.get("tool_choice"), tools or None)
     except ValueError as err:
         raise ApiError(400, str(err), param="tool_choice") from None
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise ApiError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    parallel = boolean(body, "parallel_tool_calls", True)
     variables = _template_variables(body)
     if tools and mode != "none":
         variables["tools"] = tools
@@ -78,7 +78,11 @@ def _template_variables(body: dict) -> dict:
     if taken:
         raise ApiError(400, f"'chat_template_kwargs' cannot set {', '.join(taken)}: the request's own fields do",
                        param="chat_template_kwargs")
-    variables = dict(kwargs)
+    for name in kwargs:
+        if not name.isidentifier() or name in TEMPLATE_RESERVED:
+            raise ApiError(400, f"'chat_template_kwargs' key {name!r} is not a template variable's name (letters, "
+                           "digits and _, not starting with a digit; not 'self')", param="chat_template_kwargs")
+    variables = dict(plain_json(kwargs, "chat_template_kwargs"))
     effort = body.get("reasoning_effort")
     if effort is not None:
         if effort not in REASONING_EFFORTS:
@@ -99,7 +103,7 @@ def _message(m, where: str) -> dict:
     if not isinstance(m, dict):
         raise ApiError(400, f"{where} must be an object", param="messages")
     role = m.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param="messages")
     unknown = sorted(set(m) - MESSAGE_KEYS)
     if unknown:
@@ -133,20 +137,29 @@ def _calls(calls, where: str) -> list[dict]:
         if not isinstance(function, dict) or call.get("type", "function") != "function":
             raise ApiError(400, f"{at} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
                            "\"arguments\"}}}}", param="messages")
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise ApiError(400, f"{at}.function.name must be a non-empty string", param="messages")
+        name = plain_text(function.get("name"), f"{at}.function.name")
+        call_id = call.get("id")
+        if call_id is not None:
+            plain_text(call_id, f"{at}.id", empty_ok=True)
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
+                arguments = json.loads(plain_text(arguments, f"{at}.function.arguments", empty_ok=True)) \
+                    if arguments.strip() else {}
             except json.JSONDecodeError as err:
                 raise ApiError(400, f"{at}.function.arguments is not valid JSON: {err}", param="messages") from None
+            except RecursionError:
+                raise ApiError(400, f"{at}.function.arguments is nested too deeply to read", param="messages") \
+                    from None
+            except ValueError as err:     # an integer longer than Python converts
+                raise ApiError(400, f"{at}.function.arguments has a number that cannot be read: "
+                               f"{str(err).split(';')[0]}", param="messages") from None
         if arguments is None:
             arguments = {}
         if not isinstance(arguments, dict):
             raise ApiError(400, f"{at}.function.arguments must be a JSON object", param="messages")
-        out.append({"id": call.get("id"), "type": "function", "function": {"name": name, "arguments": arguments}})
+        plain_json(arguments, f"{at}.function.arguments")
+        out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     return out
 
 

@@ -8,6 +8,7 @@ import json
 import logging
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("qwen4exp.server")
 
@@ -58,9 +59,11 @@ async def error_middleware(request: web.Request, handler):
             raise
         return error_response(ApiError(err.status, err.reason))
     except ConnectionError:
-        # The client went away while its request was read or answered: nothing to answer, nothing broken.
+        # The client went away while its request was read or answered: nothing to answer, nothing broken. A
+        # response (which cannot be sent) instead of the error keeps aiohttp from logging it as a handler's failure;
+        # 499 is the status access logs use for a client that closed its request.
         log.info("the client of %s %s went away", request.method, request.path)
-        raise
+        return web.Response(status=499)
     except Exception:  # noqa: BLE001 - the server keeps serving; the client gets a 500 with no internals
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(ApiError(500, "internal error (see the server log)", "server_error"))
@@ -93,4 +96,7 @@ async def read_body(request: web.Request, timeout: float | None = None) -> bytes
         return await asyncio.wait_for(request.read(), timeout)
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {timeout:g} s (server.body_timeout)",
+                       headers={"Connection": "close"}) from None
+    except RequestPayloadError as err:       # e.g. a Content-Encoding the body is not in
+        raise ApiError(400, f"the request body could not be read: {str(err).split('message:')[-1].strip()}",
                        headers={"Connection": "close"}) from None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..engine.request import MAX_TOP_LOGPROBS
 from .chat_prompt import ChatReading, chat_prompt
 from .errors import ApiError, parse_json
-from .request_fields import SAMPLING_FIELDS, check_known, engine_fields, plain_text, token_ids
+from .request_fields import SAMPLING_FIELDS, boolean, check_known, engine_fields, optional, plain_text, token_ids
 
 log = logging.getLogger("qwen4exp.server")
 
@@ -61,9 +61,7 @@ def prepare_body(endpoint: str, raw: bytes, context: int | None) -> Prepared:
     tokenizer = _TOKENIZER
     body = parse_json(raw)
     chat = None
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    stream = boolean(body, "stream", False)
     if endpoint == "generate":
         check_known(body, GENERATE_FIELDS, "/generate")
         prompt_ids, key, include_usage = _generate_prompt(body, tokenizer), "max_tokens", False
@@ -105,13 +103,13 @@ def _completion_prompt(body: dict, tokenizer) -> list[int]:
 
 
 def _check_unsupported(body: dict) -> None:
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "only n = 1 is supported", param="n")
+    for key in ("n", "best_of"):
+        value = optional(body, key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value != 1:
+            raise ApiError(400, f"only {key} = 1 is supported (one choice a request), got {value!r}", param=key)
     for key in ("echo", "suffix"):
         if body.get(key):
             raise ApiError(400, f"'{key}' is not supported", param=key)
-    if body.get("best_of", 1) not in (None, 1):
-        raise ApiError(400, "only best_of = 1 is supported", param="best_of")
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
         raise ApiError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
