@@ -32,3 +32,16 @@ def pytest_sessionfinish(session, exitstatus):
         for report in skipped:
             reporter.write_line(f"  {report.nodeid}: {report.longrepr[-1] if report.longrepr else ''}")
         session.exitstatus = 1
+
+
+@pytest.fixture(autouse=True)
+def _memory_limits_restored():
+    """A test that caps a device's memory (directly or through EngineConfig.load_model) leaves the next test the
+    caps it found: the fit plans against them, so a leftover cap would change what later tests fit."""
+    from qwen4exp.engine import memory
+
+    before = dict(memory._limits)
+    yield
+    for key in set(memory._limits) | set(before):
+        if memory._limits.get(key) != before.get(key):
+            memory.set_device_memory_limit(key, before.get(key))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import socket
 import threading
 import time
 
@@ -20,9 +19,6 @@ class Server:
     def __init__(self, checkpoint, context: int = 512, engine: dict | None = None, config: EngineConfig | None = None,
                  **server_options):
         """A server for `checkpoint` with small test settings (`engine` changes some), or for a whole `config`."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         if config is None:
@@ -35,7 +31,9 @@ class Server:
         self.run(self._start())
 
     async def _start(self):
-        self.runner = await start_app(self.app, "127.0.0.1", self.port)
+        # Port 0: the system picks a free one as the site binds (none can take it in between), read back here.
+        self.runner = await start_app(self.app, "127.0.0.1", 0)
+        self.port = self.runner.addresses[0][1]
 
     def run(self, coro, timeout=120):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -172,7 +172,8 @@ def test_resident_limit_auto_is_a_quarter_of_the_available_memory(fitted):
     limit = fitted.request("GET", "/props")[1]["prefix_cache"]["resident_limit"]
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     quarter = int(meminfo["MemAvailable"].split()[0]) * 1024 // 4
-    assert abs(limit - quarter) < 0.1 * quarter, (limit, quarter)       # MemAvailable moves a little meanwhile
+    # Read at the worker's start; MemAvailable moves meanwhile, as the suite's servers and workers come and go.
+    assert abs(limit - quarter) < 0.3 * quarter, (limit, quarter)
 
 
 def test_the_default_stop_is_the_checkpoints_end_of_text(tiny_checkpoint, tmp_path):
