@@ -161,6 +161,17 @@ def test_missing_shard_names_the_file(tmp_path):
         load_weights(path, text_model(path, torch.float32), dtype=torch.float32, progress=False)
 
 
+@pytest.mark.parametrize("cut", ["truncated", "empty", "html"])
+def test_a_shard_that_is_not_whole_safetensors_is_named(tmp_path, cut):
+    path = fresh(tmp_path)
+    victim = _shard_of(path, "lm_head.weight")
+    whole = victim.read_bytes()
+    victim.write_bytes({"truncated": whole[:len(whole) // 2], "empty": b"",
+                        "html": b"<!DOCTYPE html><html><body>Not found</body></html>"}[cut])
+    with pytest.raises(CheckpointError, match=f"{victim.name}: cannot be read as safetensors .*truncated download"):
+        load_weights(path, text_model(path, torch.float32), dtype=torch.float32, progress=False)
+
+
 def test_wrong_shape_names_tensor_and_shapes(tmp_path):
     path = fresh(tmp_path)
     name = "model.language_model.layers.0.linear_attn.in_proj_z.weight"

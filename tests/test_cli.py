@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -135,6 +137,19 @@ def test_generate_refuses_bad_settings_by_name(argv, message):
     with pytest.raises(SystemExit) as err:
         main(["generate", "--prompt", "Hello", *argv])
     assert "error:" in str(err.value) and message in str(err.value)
+
+
+def test_generate_on_a_broken_gguf_or_a_directory_without_tokenizer_is_one_error_line(tmp_path, tiny_checkpoint):
+    """The tokenizer is the first thing read from a GGUF: what is wrong with the file is said there."""
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((Path(__file__).parent / "data" / "tiny_llamacpp_f32.gguf").read_bytes()[:-1000])
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_checkpoint, bare)
+    (bare / "tokenizer.json").unlink()
+    for model, message in [(cut, "cut.gguf: not a readable GGUF file"), (bare, "no tokenizer.json in")]:
+        with pytest.raises(SystemExit) as err:
+            main(["generate", "--model", str(model), "--prompt", "Hello", "--max-tokens", "2"])
+        assert str(err.value).startswith("error:") and message in str(err.value), err.value
 
 
 @pytest.mark.parametrize("line, message", [

@@ -96,6 +96,15 @@ def test_the_converter_bug_that_zeroes_the_qsa_compress_ratio_is_named():
     ({"general.architecture": "qwen35moe"}, "general.architecture is 'qwen35moe'"),
     ({"qwen4exp.hyper_connection.count": KeyError}, "metadata key qwen4exp.hyper_connection.count is missing"),
     ({"qwen4exp.attention.compress_ratios": [0, 0, 0, 4, 0, 0, 0, 2]}, "different compress ratios"),
+    # Numbers the shapes are built from: zero, not a number, lists a layer too short, counts that disagree.
+    ({"qwen4exp.attention.key_length": 0}, "qwen4exp.attention.key_length is 0; it must be at least 1"),
+    ({"qwen4exp.ssm.time_step_rank": 0}, "qwen4exp.ssm.time_step_rank is 0; it must be at least 1"),
+    ({"qwen4exp.block_count": "eight"}, "qwen4exp.block_count is 'eight', not a number"),
+    ({"qwen4exp.block_count": 12}, r"recurrent_layers has 8 entries for the 12 layers of qwen4exp.block_count"),
+    ({"qwen4exp.attention.compress_ratios": [0, 0, 0, 4]}, "compress_ratios has 4 entries for the 8 layers"),
+    ({"qwen4exp.expert_used_count": 9}, r"expert_used_count \(9\) is more than qwen4exp.expert_count \(8\)"),
+    ({"tokenizer.ggml.eos_token_id": KeyError}, "metadata key tokenizer.ggml.eos_token_id is missing"),
+    ({"tokenizer.ggml.eos_token_id": 99999}, "eos_token_id is 99999, outside the 1024 tokens of token_embd"),
 ])
 def test_metadata_it_cannot_serve_is_refused_by_key(overrides, message):
     value, shape = metadata(overrides)
@@ -197,6 +206,38 @@ def test_the_header_reader_reads_what_gguf_py_reads(tmp_path, mix):
         assert ours.data.shape == theirs.data.shape and np.array_equal(ours.data, theirs.data), ours.name
 
 
+def test_a_split_part_renamed_or_mixed_up_is_named_by_what_it_records(tmp_path):
+    """llama.cpp's split.no and split.count in each part, against its place by name."""
+    first = write_tiny(tmp_path / "set.gguf", "f32", split_max_tensors=100)
+    parts = sorted(tmp_path.glob("set-*.gguf"))
+    second, third = parts[1].read_bytes(), parts[2].read_bytes()
+    parts[1].write_bytes(third)
+    parts[2].write_bytes(second)
+    with pytest.raises(CheckpointError, match=r"set-00002-of-00003.gguf: records itself as part 3 of 3, where its "
+                                              r"name makes it part 2 of 3"):
+        GGUFCheckpoint(first)
+    alone = tmp_path / "model.gguf"
+    first.rename(alone)
+    with pytest.raises(CheckpointError, match=r"model.gguf: part 1 of a split GGUF of 3 parts, named as a whole "
+                                              r"file; give the first part under its split name"):
+        GGUFCheckpoint(alone)
+
+
+@pytest.mark.parametrize("alignment", [0, 7])
+def test_an_alignment_that_is_not_a_power_of_two_is_refused(tmp_path, alignment):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "aligned.gguf"
+    writer = GGUFWriter(str(path), "qwen4exp")
+    writer.add_uint32("general.alignment", alignment)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=f"general.alignment is {alignment}, not a power of two"):
+        GGUFCheckpoint(path)
+
+
 def test_a_truncated_or_foreign_file_is_named_with_what_is_wrong(tmp_path):
     whole = LLAMACPP_F32.read_bytes()
     cut = tmp_path / "cut.gguf"
@@ -263,6 +304,20 @@ def test_random_blocks_reach_every_byte_and_keep_the_spread_asked(qtype):
     assert np.isfinite(values).all() and values.shape == (32, 1024)
     assert abs(values.std() - 0.02) < 0.003 and abs(values.mean()) < 0.004
     assert len(np.unique(blocks)) == 256
+
+
+@pytest.mark.parametrize("name, shape, message", [
+    ("blk.0.ffn_gate_exps.weight", (6, 32, 64), r"expects \[8, 32, 64\]"),        # a kept expert stack
+    ("output.weight", (1000, 64), r"expects \[1024, 64\]"),                       # the LM head, Q8_0
+])
+def test_a_weight_kept_quantized_of_the_wrong_shape_is_refused_not_built_to_it(tmp_path, monkeypatch, name, shape,
+                                                                                 message):
+    """The shape a kept stack is built with comes from the config, not from the file it is read from."""
+    checkpoint = GGUFCheckpoint(write_tiny(tmp_path / "q.gguf", "q8_0"))
+    real_shape = checkpoint.shape
+    monkeypatch.setattr(checkpoint, "shape", lambda tensor: shape if tensor == name else real_shape(tensor))
+    with pytest.raises(CheckpointError, match=f"{name} has shape {list(shape)}".replace("[", r"\[") + ".*" + message):
+        quantized_stacks(checkpoint, checkpoint.model_config())
 
 
 def test_a_tensor_of_the_wrong_shape_is_named_before_anything_is_copied(monkeypatch):

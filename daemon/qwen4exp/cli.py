@@ -48,7 +48,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: --device: {err}") from None
         overrides["devices"] = [{"name": device, "role": "target"}]
     config = EngineConfig.from_settings(_settings(args, GENERATE_OVERRIDES, overrides))
-    tokenizer = Tokenizer.from_path(config.model)
+    try:
+        tokenizer = Tokenizer.from_path(config.model)      # for a GGUF, the first read of the file
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     requests = _generate_requests(args, tokenizer)
     # A context the command line did not give is what the requests need, in whole chunks: the context only sizes
     # the slots (a request's numbers do not depend on it), and fitting one to the device would cost more than

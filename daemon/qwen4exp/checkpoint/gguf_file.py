@@ -48,6 +48,24 @@ def shard_paths(path: str | Path) -> list[Path]:
     return shards
 
 
+def _check_part(shard: Path, fields: dict, number: int, parts: int) -> None:
+    """A shard's own record of its place in the set (llama.cpp's split.no, from 0, and split.count) against its
+    place by name: a renamed or mixed-up file is named, not read as the wrong part."""
+    if "split.count" not in fields:
+        if parts > 1:
+            raise CheckpointError(f"{shard}: named as part {number + 1} of {parts} of a split GGUF, but it records no "
+                                  f"split (no split.count): a whole file renamed?")
+        return
+    count, no = int(fields["split.count"]), int(fields.get("split.no", 0))
+    if parts == 1 and count > 1:
+        raise CheckpointError(f"{shard}: part {no + 1} of a split GGUF of {count} parts, named as a whole file; "
+                              f"give the first part under its split name (<name>-00001-of-{count:05d}.gguf), "
+                              f"the others beside it")
+    if (no, count) != (number, parts):
+        raise CheckpointError(f"{shard}: records itself as part {no + 1} of {count}, where its name makes it part "
+                              f"{number + 1} of {parts}")
+
+
 class GGUFCheckpoint:
     """The metadata and tensors of a GGUF (all its shards), headers only until a tensor is asked for."""
 
@@ -61,6 +79,8 @@ class GGUFCheckpoint:
             except (ValueError, OSError) as err:
                 raise CheckpointError(f"{shard}: not a readable GGUF file ({err})") from None
         self._fields = headers[0][0]
+        for number, (shard, (fields, _)) in enumerate(zip(self.shards, headers)):
+            _check_part(shard, fields, number, len(self.shards))
         self.tensors: dict[str, TensorInfo] = {}
         for shard, (_, tensors) in zip(self.shards, headers):
             for tensor in tensors:

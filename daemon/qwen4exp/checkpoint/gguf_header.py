@@ -106,7 +106,9 @@ def read_gguf(path: str | Path) -> tuple[dict[str, Any], list[TensorInfo]]:
         name = cursor.string()
         dims = [cursor.unpack("Q") for _ in range(cursor.unpack("I"))]
         infos.append((name, dims, cursor.unpack("I"), cursor.unpack("Q")))
-    alignment = int(fields.get("general.alignment", _DEFAULT_ALIGNMENT))
+    alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise GGUFFormatError(f"{path}: general.alignment is {alignment!r}, not a power of two")
     start = -(-cursor.offset // alignment) * alignment
     return fields, [_tensor(buffer, path, start, *info) for info in infos]
 

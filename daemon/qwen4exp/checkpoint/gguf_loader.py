@@ -13,6 +13,7 @@ import torch
 
 from . import gguf_layout, gguf_metadata
 from .errors import CheckpointError
+from ..engine.model.causal_lm import Qwen4ExpForCausalLM
 from ..engine.model.quant_blocks import LAYOUTS, join_q8_0, split_q8_0
 from ..engine.model.quantized import QuantizedStack, kept_name
 from .gguf_file import GGUFCheckpoint
@@ -27,6 +28,7 @@ def quantized_stacks(checkpoint, config) -> dict[str, tuple[str, tuple[int, ...]
     GGUF tensors (gate and up of an expert stack, or the one tensor) hold one block type with a torch form and
     whose reorder into our layout moves whole blocks. `checkpoint`: a GGUFCheckpoint, or a file planned but not
     written (gguf_writer.PlannedFile)."""
+    check_shapes(checkpoint, config)             # a kept stack takes its shape from the file below
     parts: dict[str, list[gguf_layout.Piece]] = {}
     for piece in gguf_layout.pieces(config):
         name = kept_name(piece.target)
@@ -43,6 +45,25 @@ def quantized_stacks(checkpoint, config) -> dict[str, tuple[str, tuple[int, ...]
                 shape = (shape[0], shape[1] * len(pieces), shape[2])
             stacks[name] = (types.pop(), shape)
     return stacks
+
+
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Each GGUF tensor's shape (torch's axis order) as the model of `config` needs it: from the dense model on the
+    meta device, so that no shape is taken from the file it is checked against."""
+    with torch.device("meta"):
+        model = Qwen4ExpForCausalLM(config)
+    targets = model.state_dict(keep_vars=True)
+    return {piece.gguf: tuple(piece.to_gguf(torch.empty(piece.part_of(targets[piece.target]).shape,
+                                                        device="meta")).shape)
+            for piece in gguf_layout.pieces(config)}
+
+
+def check_shapes(checkpoint, config) -> None:
+    """Every tensor of `checkpoint` the model needs, of the shape it needs (those missing are named by the load)."""
+    for name, expected in expected_shapes(config).items():
+        if name in checkpoint.tensors and checkpoint.shape(name) != expected:
+            raise CheckpointError(f"{checkpoint.path}: tensor {name} has shape {list(checkpoint.shape(name))} "
+                                  f"(torch's axis order), the model expects {list(expected)}")
 
 
 def _whole_blocks(checkpoint, piece: gguf_layout.Piece) -> bool:
@@ -67,14 +88,9 @@ def load_gguf_weights(checkpoint: GGUFCheckpoint, module: torch.nn.Module, confi
         raise CheckpointError(f"{checkpoint.path}: {len(missing)} tensors the model needs are missing "
                               f"({', '.join(missing[:5]) or 'none'}); {len(unexpected)} match nothing in the model "
                               f"({', '.join(unexpected[:5]) or 'none'})")
+    check_shapes(checkpoint, config)             # every shape, from the headers, before the first copy
     stacks = {name: module for name, module in module.named_modules() if isinstance(module, QuantizedStack)}
     parts = [_part(stacks.get(kept_name(piece.target)) or targets[piece.target], piece) for piece in pieces]
-    for piece, part in zip(pieces, parts):      # every shape, from the headers, before the first copy
-        expected = tuple(piece.to_gguf(torch.empty(part.shape, device="meta")).shape)
-        if checkpoint.shape(piece.gguf) != expected:
-            raise CheckpointError(f"{checkpoint.path}: tensor {piece.gguf} has shape "
-                                  f"{list(checkpoint.shape(piece.gguf))} (torch's axis order), the model expects "
-                                  f"{list(expected)} (for its {piece.target})")
     report = LoadReport(files=len(checkpoint.shards))
     for piece, part in zip(pieces, parts):
         if isinstance(part, StackPart):

@@ -32,6 +32,26 @@ def config_from_metadata(value: Callable[[str], object], tensor_shape: Callable[
                 raise CheckpointError(f"{where}: metadata key {key(name)} is missing") from None
             return default
 
+    def number(name: str, kind=int, default=..., low=1):
+        """A count or size the model's shapes are built from: a number, at least `low`."""
+        raw = get(name, default)
+        try:
+            got = kind(raw)
+        except (TypeError, ValueError, OverflowError):
+            raise CheckpointError(f"{where}: metadata key {key(name)} is {raw!r}, not a number") from None
+        if not got >= low:
+            raise CheckpointError(f"{where}: metadata key {key(name)} is {got}; it must be at least {low}")
+        return got
+
+    def per_layer(name: str, default) -> list:
+        values = get(name, default)
+        if not isinstance(values, list):
+            raise CheckpointError(f"{where}: metadata key {key(name)} is {values!r}, not a list a layer")
+        if len(values) != layers:
+            raise CheckpointError(f"{where}: metadata key {key(name)} has {len(values)} entries for the {layers} "
+                                  f"layers of {key('block_count')}")
+        return values
+
     try:
         arch = value("general.architecture")
     except KeyError:
@@ -39,12 +59,14 @@ def config_from_metadata(value: Callable[[str], object], tensor_shape: Callable[
     if arch != ARCH:
         raise CheckpointError(f"{where}: general.architecture is {arch!r}; this engine serves {ARCH!r} "
                               f"(Qwen3.8-Flash-Next) only")
-    layers = int(get("block_count"))
+    layers = number("block_count")
     recurrent = list(get("attention.recurrent_layers", []))
-    if not recurrent:
-        interval = int(get("full_attention_interval", 4))
+    if recurrent:
+        recurrent = per_layer("attention.recurrent_layers", None)
+    else:
+        interval = number("full_attention_interval", default=4)
         recurrent = [(i + 1) % interval != 0 for i in range(layers)]
-    ratios = [int(r) for r in get("attention.compress_ratios", [0] * layers)]
+    ratios = [int(r) for r in per_layer("attention.compress_ratios", [0] * layers)]
     notes = []
     qsa_layers = [i for i in range(layers) if not recurrent[i]]
     used = sorted({ratios[i] for i in qsa_layers})
@@ -60,34 +82,52 @@ def config_from_metadata(value: Callable[[str], object], tensor_shape: Callable[
     embed = tensor_shape("token_embd.weight")
     if embed is None:
         raise CheckpointError(f"{where}: tensor token_embd.weight is missing")
-    hidden = int(get("embedding_length"))
-    key_dim = int(get("attention.key_length"))
+    hidden = number("embedding_length")
+    key_dim = number("attention.key_length")
     ple_layers = [int(p) + 1 for p in get("ple.layers", [])]
-    value_heads = int(get("ssm.time_step_rank"))
+    if any(not 1 <= p <= layers for p in ple_layers):
+        raise CheckpointError(f"{where}: metadata key {key('ple.layers')} names layers outside the "
+                              f"{layers} of {key('block_count')}: {[p - 1 for p in ple_layers]}")
+    value_heads = number("ssm.time_step_rank")
+    inner = number("ssm.inner_size")
+    if inner % value_heads:
+        raise CheckpointError(f"{where}: {key('ssm.inner_size')} ({inner}) is not a multiple of "
+                              f"{key('ssm.time_step_rank')} ({value_heads}), the value heads")
+    experts, used_experts = number("expert_count"), number("expert_used_count")
+    if used_experts > experts:
+        raise CheckpointError(f"{where}: {key('expert_used_count')} ({used_experts}) is more than "
+                              f"{key('expert_count')} ({experts})")
+    try:
+        eos = int(value("tokenizer.ggml.eos_token_id"))
+    except KeyError:
+        raise CheckpointError(f"{where}: metadata key tokenizer.ggml.eos_token_id is missing") from None
+    if not 0 <= eos < embed[0]:
+        raise CheckpointError(f"{where}: tokenizer.ggml.eos_token_id is {eos}, outside the {embed[0]} tokens of "
+                              f"token_embd.weight")
     config = {
         "vocab_size": embed[0], "hidden_size": hidden, "num_hidden_layers": layers,
-        "num_attention_heads": int(get("attention.head_count")),
-        "num_key_value_heads": int(get("attention.head_count_kv")),
+        "num_attention_heads": number("attention.head_count"),
+        "num_key_value_heads": number("attention.head_count_kv"),
         "head_dim": key_dim,
-        "rope_parameters": {"rope_theta": float(get("rope.freq_base")),
-                            "partial_rotary_factor": int(get("rope.dimension_count")) / key_dim},
-        "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
-        "linear_key_head_dim": int(get("ssm.state_size")),
-        "linear_value_head_dim": int(get("ssm.inner_size")) // value_heads,
-        "linear_num_key_heads": int(get("ssm.group_count")),
+        "rope_parameters": {"rope_theta": number("rope.freq_base", float, low=0.0),
+                            "partial_rotary_factor": number("rope.dimension_count", low=0) / key_dim},
+        "linear_conv_kernel_dim": number("ssm.conv_kernel"),
+        "linear_key_head_dim": number("ssm.state_size"),
+        "linear_value_head_dim": inner // value_heads,
+        "linear_num_key_heads": number("ssm.group_count"),
         "linear_num_value_heads": value_heads,
-        "num_experts": int(get("expert_count")), "num_experts_per_tok": int(get("expert_used_count")),
-        "moe_intermediate_size": int(get("expert_feed_forward_length")),
-        "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length")),
+        "num_experts": experts, "num_experts_per_tok": used_experts,
+        "moe_intermediate_size": number("expert_feed_forward_length"),
+        "shared_expert_intermediate_size": number("expert_shared_feed_forward_length"),
         "norm_topk_prob": True,
-        "hc_count": int(get("hyper_connection.count")), "hc_lowrank": int(get("hyper_connection.low_rank")),
-        "indexer_n_heads": int(get("attention.indexer.head_count")),
-        "indexer_head_dim": int(get("attention.indexer.key_length")),
-        "indexer_budget": int(get("attention.indexer.top_k")),
+        "hc_count": number("hyper_connection.count"), "hc_lowrank": number("hyper_connection.low_rank"),
+        "indexer_n_heads": number("attention.indexer.head_count"),
+        "indexer_head_dim": number("attention.indexer.key_length"),
+        "indexer_budget": number("attention.indexer.top_k"),
         "indexer_compress_ratio": used[0] if used else 4,
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
-        "max_position_embeddings": int(get("context_length")),
-        "eos_token_id": int(value("tokenizer.ggml.eos_token_id")),
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon", float, low=0.0),
+        "max_position_embeddings": number("context_length"),
+        "eos_token_id": eos,
         "hidden_act": "silu",
         "mtp_num_hidden_layers": 0,
         "layer_types": [LINEAR if r else QSA for r in recurrent],
@@ -95,21 +135,21 @@ def config_from_metadata(value: Callable[[str], object], tensor_shape: Callable[
     notes.append("the GGUF does not record the Gated DeltaNet output gate's activation: silu, as the published "
                  "config (llama.cpp uses sigmoid)")
     if ple_layers:
-        ngram_heads = (int(get("ple.ngram_size")) - 1) * int(get("ple.heads_per_ngram"))
+        ngram_heads = (number("ple.ngram_size", low=2) - 1) * number("ple.heads_per_ngram")
         table = tensor_shape("per_layer_token_embd.weight")
         if table is None:
             raise CheckpointError(f"{where}: tensor per_layer_token_embd.weight is missing (ple.layers is set)")
         config.update({
-            "ple_layer_ids": ple_layers, "ngram_size": int(get("ple.ngram_size")),
-            "heads_per_ngram": int(get("ple.heads_per_ngram")),
-            "ple_conv_kernel_size": int(get("ple.conv_kernel")),
-            "ple_embed_dim": int(get("embedding_length_per_layer_input")) * ngram_heads,
+            "ple_layer_ids": ple_layers, "ngram_size": number("ple.ngram_size", low=2),
+            "heads_per_ngram": number("ple.heads_per_ngram"),
+            "ple_conv_kernel_size": number("ple.conv_kernel"),
+            "ple_embed_dim": number("embedding_length_per_layer_input") * ngram_heads,
             "ple_hash": {"layer_multipliers": [int(v) for v in get("ple.layer_multipliers")],
                          "head_vocab_sizes": [int(v) for v in get("ple.head_vocab_sizes")],
                          "head_offsets": [int(v) for v in get("ple.head_offsets")],
                          "table_rows": table[0]},
         })
-        ple_eos = int(get("ple.eos_token_id", config["eos_token_id"]))
+        ple_eos = number("ple.eos_token_id", default=config["eos_token_id"], low=0)
         if ple_eos != config["eos_token_id"]:
             notes.append(f"PLE resets at token {ple_eos} ({key('ple.eos_token_id')}), not at the tokenizer's "
                          f"end of text {config['eos_token_id']}: the PLE's is used")

@@ -8,6 +8,7 @@ half loaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from ..engine.model.quantized import QuantizedStack, kept_name
@@ -27,6 +28,18 @@ from . import fp8, layout
 from .errors import CheckpointError
 
 logger = logging.getLogger("qwen4exp.checkpoint")
+
+
+@contextlib.contextmanager
+def _opened(file: Path, device: str = "cpu"):
+    """safe_open, with a file it cannot read (truncated, empty, not safetensors at all) a CheckpointError naming it."""
+    try:
+        with safe_open(str(file), framework="pt", device=device) as f:
+            yield f
+    except SafetensorError as err:
+        raise CheckpointError(f"{file}: cannot be read as safetensors ({err}): a truncated download, or another "
+                              "kind of file?") from None
+
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -109,7 +122,7 @@ def checkpoint_files(path: str | Path, only: str | None = None) -> dict[str, Pat
         return files
     single = root / SINGLE_FILE
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
+        with _opened(single) as f:
             return {name: single for name in f.keys() if only is None or name.startswith(only)}
     raise CheckpointError(f"no {INDEX_FILE} or {SINGLE_FILE} in {root}")
 
@@ -155,7 +168,7 @@ def headers(files: dict[str, Path]) -> dict[str, tuple[Path, tuple[int, ...], st
         by_file[file].append(name)
     headers = {}
     for file, names in sorted(by_file.items()):
-        with safe_open(str(file), framework="pt") as f:
+        with _opened(file) as f:
             present = set(f.keys())
             for name in sorted(names):
                 if name not in present:
@@ -291,7 +304,7 @@ def _scale(opened, file: Path, scale: tuple[Path, str], device: str) -> torch.Te
     scale_file, name = scale
     if scale_file == file:
         return opened.get_tensor(name)
-    with safe_open(str(scale_file), framework="pt", device=device) as f:
+    with _opened(scale_file, device) as f:
         return f.get_tensor(name)
 
 
@@ -344,7 +357,7 @@ def load_weights(
     bar = tqdm(total=sum(c.nbytes for c in plan.copies), unit="B", unit_scale=True, desc="loading weights",
                file=sys.stderr, disable=not progress)
     for file, copies in sorted(by_file.items()):
-        with safe_open(str(file), framework="pt", device=staging) as f:
+        with _opened(file, staging) as f:
             for copy in copies:
                 tensor = f.get_tensor(copy.disk)
                 if copy.scale is not None:       # the PLE table's shards have one global scale
