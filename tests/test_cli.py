@@ -184,3 +184,53 @@ def test_set_changes_any_key_and_names_the_command_line(capsys, monkeypatch):
         main(["serve", "--set", "server.prot=1"])
     with pytest.raises(SystemExit, match="not key=value"):
         main(["serve", "--set", "port"])
+
+
+def test_generate_refuses_a_request_past_the_models_trained_context(tmp_path):
+    with pytest.raises(SystemExit, match=r"error: a prompt of \d+ tokens \+ max tokens 1000000 is past the model's "
+                                         r"trained context of 4096 positions"):
+        main(["generate", "--prompt", "Hello", "--max-tokens", "1000000"])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a", "max_tokens": 4}\n{"prompt": "b", "max_tokens": 100000}\n')
+    with pytest.raises(SystemExit, match=r"prompts.jsonl request 2: a prompt of \d+ tokens \+ max tokens 100000"):
+        main(["generate", "--prompts-file", str(prompts)])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layers", "0"], "--layers 0: a model has at least 1 layer"),
+    (["--device", "tpu"], "device 'tpu' is not one this engine runs on"),
+    (["--quant", "q8_0"], "--quant 'q8_0' chooses a GGUF's mix; add --format gguf"),
+    (["--format", "gguf", "--quant", "q3_bogus"], "--quant 'q3_bogus': choose one of f32, bf16"),
+])
+def test_init_checkpoint_refuses_before_drawing_weights(tmp_path, argv, message):
+    with pytest.raises(SystemExit) as err:
+        main(["init-checkpoint", "--preset", "tiny", "--out", str(tmp_path / "new"), *argv])
+    assert str(err.value).startswith("error: ") and message in str(err.value)
+    assert not (tmp_path / "new").exists()
+
+
+def test_init_checkpoint_overwrites_nothing(tmp_path):
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "config.json").write_text("{}")
+    for out, form in [(kept, "safetensors"), (kept / "config.json", "gguf")]:
+        with pytest.raises(SystemExit, match="is there already; choose a new path"):
+            main(["init-checkpoint", "--preset", "tiny", "--format", form, "--out", str(out)])
+    assert (kept / "config.json").read_text() == "{}" and len(list(kept.iterdir())) == 1
+
+
+def test_serve_refuses_what_would_stop_it_before_loading_the_model(tmp_path):
+    """A port another process listens on, and files the load cannot read, are said before the model loads."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"error: cannot listen on 127.0.0.1:{port} \\(server.host, "
+                                             f"server.port\\): Address already in use"):
+            main(["serve", "--port", str(port)])
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(SystemExit, match="empty.gguf' is not a usable GGUF: .*not a readable GGUF file"):
+        main(["serve", "--model", str(empty)])

@@ -152,6 +152,26 @@ def test_unknown_environment_variable(etc):
     assert load_settings("tiny", env=env_for(etc, QWEN4EXP_CACHE="/tmp/x")).slots == 4   # not ours: left alone
 
 
+def test_a_tables_key_with_one_underscore_is_refused_not_ignored(etc, monkeypatch):
+    """QWEN4EXP_SERVER_API_KEY ignored would serve without the key the operator set: refused, once, with the
+    spelling meant; the process environment is not read a second time beside the one given."""
+    with pytest.raises(ConfigError) as err:
+        load_settings("tiny", env=env_for(etc, QWEN4EXP_SERVER_API_KEY="secret"))
+    assert str(err.value) == ("environment (QWEN4EXP_SERVER_API_KEY): not a setting (did you mean "
+                              "QWEN4EXP_SERVER__API_KEY? a table's keys follow a double underscore)")
+    monkeypatch.setenv("QWEN4EXP_SEVER__PORT", "1")           # this process's, not the environment given
+    assert load_settings("tiny", env=env_for(etc)).server.port == 8077
+
+
+@pytest.mark.parametrize("key", ["device_memory_limit", "devices"])
+def test_a_memory_cap_of_zero_is_refused_where_it_is_written(etc, tmp_path, key):
+    text = 'device_memory_limit = 0\n' if key == "device_memory_limit" else \
+        '[[devices]]\nname = "cpu"\nrole = "target"\nmemory_limit = "0B"\n'
+    profile = write(tmp_path / "p.toml", 'model = "tiny"\n' + text)
+    with pytest.raises(ConfigError, match=f"profile {profile}: .*must be more than 0 bytes \\(or 'none'\\)"):
+        load_settings(profile, env=env_for(etc))
+
+
 def test_wrong_type_names_file_key_value_and_expectation(etc, tmp_path):
     profile = write(tmp_path / "p.toml", '[server]\nport = "http"\n[prefix_cache]\nresident_limit = "12 parsecs"\n')
     with pytest.raises(ConfigError) as err:

@@ -300,3 +300,12 @@ def test_layers_in_host_memory_share_it_with_a_ple_table_kept_there(capsys):
     host = estimate_plan(facts, target, (DeviceSize("split", "cpu", "cpu", 96 << 30),), chunk=512).split
     gpu = estimate_plan(facts, target, (DeviceSize("split", "cuda:1", "cuda", 96 << 30),), chunk=512).split
     assert (host.context, host.ple, gpu.context, gpu.ple) == (40960, "host", 262144, "host")
+
+
+@pytest.mark.parametrize("devices, where", [("target=80", "--devices target=80: 80 B"),
+                                            ("target=32GiB,split=128", "--devices split=128: 128 B")])
+def test_a_gpu_size_without_its_unit_is_named(devices, where):
+    """What the CUDA driver keeps leaves nothing of 80 bytes: the size is named, not a negative budget."""
+    with pytest.raises(SystemExit, match=f"error: {where} is no more than the .* the driver and context take: a "
+                                         "size without its unit"):
+        main(["--estimate", "--model", "full", "--quant", "ud-q4_k_xl", "--devices", devices])

@@ -58,6 +58,20 @@ def test_unit_is_type_notify_with_a_watchdog_and_hardening():
         assert line in text
 
 
+def test_a_profile_path_with_spaces_stays_one_argument_and_names_that_break_the_unit_are_refused(tmp_path):
+    profile = tmp_path / "my profile 100%.toml"
+    profile.write_text('model = "tiny"\n')
+    unit = unit_text("qwen4exp", str(profile), executable="/usr/bin/env qwen4exp")
+    assert f'ExecStart=/usr/bin/env qwen4exp serve --profile "{tmp_path}/my profile 100%%.toml"\n' in unit
+    with pytest.raises(ValueError, match="control character"):
+        unit_text("qwen4exp", "h200\nUser=root")
+    with pytest.raises(ValueError, match="not a system user's name"):
+        unit_text("", "h200")
+    with pytest.raises(ValueError, match="no profile named 'nonexistent'"):
+        install(user="svc", profile="nonexistent", root=str(tmp_path))
+    assert not (tmp_path / "etc").exists()                # nothing written
+
+
 def test_install_into_a_root_dir_writes_the_unit_and_a_private_env_file(tmp_path):
     done = install(user="svc", profile="tiny", root=str(tmp_path))
     unit = tmp_path / "etc/systemd/system/qwen4exp.service"

@@ -61,9 +61,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = replace(config, queue_limit=max(config.queue_limit, len(requests)))
     try:
         _, model = config.load_model(progress=not args.json)
+        trained = model.config.max_position_embeddings
+        if args.context is None and context > trained:
+            longest = max(range(len(requests)), key=lambda i: len(requests[i].prompt_ids) + requests[i].max_tokens)
+            where = f"{args.prompts_file} request {longest + 1}: " if args.prompts_file is not None else ""
+            raise ValueError(f"{where}a prompt of {len(requests[longest].prompt_ids)} tokens + max tokens "
+                             f"{requests[longest].max_tokens} is past the model's trained context of {trained} "
+                             f"positions")
         engine = Engine.from_config(model, config, context=context, tokenizer=tokenizer)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
+    except (RuntimeError, MemoryError) as err:       # the slots' states allocated for the context
+        if "memory" not in str(err).lower():
+            raise
+        raise SystemExit(f"error: {config.slots} slot(s) of {context} positions do not fit in memory "
+                         f"({str(err).splitlines()[0]}); lower the max tokens or --slots") from None
     if args.prompts_file is None and not args.json:
         _stream_to_stdout(requests[0])
     started = time.perf_counter()
@@ -177,6 +189,8 @@ SERVE_OVERRIDES = {"model": "model", "host": "server.host", "port": "server.port
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from .config import ConfigError
+    from .config.check import check_model_files
     from .engine.engine_config import EngineConfig
     from .server.sd_notify import Notifier
     from .server.serve import serve
@@ -189,10 +203,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = EngineConfig.from_settings(settings)
     options = ServerOptions.from_settings(settings)
     host, port = settings.server.host, settings.server.port
+    # What would stop the daemon once the model is loaded, said before: the files' headers and tokenizer, and the
+    # address (another server on the port).
+    try:
+        check_model_files(engine.model)
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
+    _check_address(host, port)
     print(f"qwen4exp: profile {settings.profile_path or 'defaults'}; loading {engine.model} ...", file=sys.stderr)
-    asyncio.run(serve(engine, options, host, port,
-                      on_ready=lambda app: print(f"qwen4exp: serving on http://{host}:{port}", file=sys.stderr)))
+    try:
+        asyncio.run(serve(engine, options, host, port,
+                          on_ready=lambda app: print(f"qwen4exp: serving on http://{host}:{port}", file=sys.stderr)))
+    except OSError as err:            # the address taken meanwhile
+        raise SystemExit(f"error: cannot listen on {host}:{port} (server.host, server.port): {err}") from None
     return 0
+
+
+def _check_address(host: str, port: int) -> None:
+    """Refuse an address the server could not listen on (a name that does not resolve, a port another process
+    listens on), as the server's own socket would be opened."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise SystemExit(f"error: server.host = {host!r} does not resolve: {err.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)       # as aiohttp's listener does
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise SystemExit(f"error: cannot listen on {host}:{port} (server.host, server.port): "
+                             f"{err.strerror}") from None
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
@@ -226,8 +268,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_install_service(args: argparse.Namespace) -> int:
+    import subprocess
+
     from .service_install import install
-    for line in install(user=args.user, profile=args.profile, root=args.root):
+    try:
+        done = install(user=args.user, profile=args.profile, root=args.root)
+    except (ValueError, OSError, subprocess.CalledProcessError) as err:
+        raise SystemExit(f"error: install-service: {err}") from None
+    for line in done:
         print(line)
     return 0
 
@@ -235,10 +283,9 @@ def cmd_install_service(args: argparse.Namespace) -> int:
 def cmd_init_checkpoint(args: argparse.Namespace) -> int:
     import torch
 
+    _check_init_arguments(args)
     if args.format == "gguf":
         return _init_gguf(args)
-    if args.holes:
-        raise SystemExit("error: --holes leaves a GGUF's expert data unwritten; add --format gguf")
     from .checkpoint.writer import write_random_checkpoint
     out = write_random_checkpoint(Path(args.out), preset=args.preset, layers=args.layers, seed=args.seed,
                                   dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype],
@@ -246,6 +293,33 @@ def cmd_init_checkpoint(args: argparse.Namespace) -> int:
                                   fp8_block=(128, 128) if args.format == "fp8" else None)
     print(out)
     return 0
+
+
+def _check_init_arguments(args: argparse.Namespace) -> None:
+    """What init-checkpoint would fail on, or silently do otherwise, refused before any weight is drawn."""
+    from .checkpoint.gguf_writer import MIXES, ONE_TYPE
+    from .engine.loading import resolve_device
+
+    if args.layers is not None and args.layers < 1:
+        raise SystemExit(f"error: --layers {args.layers}: a model has at least 1 layer")
+    if args.format != "gguf":
+        if args.holes:
+            raise SystemExit("error: --holes leaves a GGUF's expert data unwritten; add --format gguf")
+        if args.quant is not None:
+            raise SystemExit(f"error: --quant {args.quant!r} chooses a GGUF's mix; add --format gguf")
+    elif (args.quant or "bf16") not in MIXES + ONE_TYPE:
+        raise SystemExit(f"error: --quant {args.quant!r}: choose one of {', '.join(MIXES + ONE_TYPE)}")
+    out = Path(args.out)
+    if out.is_dir() and (args.format == "gguf" or any(out.iterdir())):
+        raise SystemExit(f"error: --out {args.out}: a directory{' holding files' if args.format != 'gguf' else ''} "
+                         f"is there already; choose a new path (nothing is overwritten)")
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"error: --out {args.out}: a file is there already; choose a new path (nothing is "
+                         f"overwritten)")
+    try:
+        resolve_device(args.device)
+    except (RuntimeError, ValueError) as err:
+        raise SystemExit(f"error: --device {args.device!r}: {err}") from None
 
 
 def _init_gguf(args: argparse.Namespace) -> int:
@@ -261,11 +335,12 @@ def _init_gguf(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: --out {args.out!r}: a GGUF is one file; name it *.gguf")
     # The weights the mix keeps quantized are drawn as random blocks and written as they are: no dense copy of
     # the experts is made (the bench preset's would be 45 GiB in bfloat16).
+    mix = args.quant or "bf16"
     model = random_model(args.preset, args.layers, dtype=args.dtype, device=args.device, seed=args.seed,
-                         progress=True, quant=args.quant)
+                         progress=True, quant=mix)
     text = preset_config(args.preset, args.layers, dtype=args.dtype)["text_config"]
     tokenizer = json.loads(build_tokenizer(text).to_str())
-    print(write_gguf(args.out, model, text, tokenizer, chat_template(), mix=args.quant, seed=args.seed,
+    print(write_gguf(args.out, model, text, tokenizer, chat_template(), mix=mix, seed=args.seed,
                      holes=args.holes))
     return 0
 
@@ -363,8 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--format", choices=["safetensors", "fp8", "gguf"], default="safetensors",
                       help="the published layout (a directory), Qwen's FP8 layout of it (float8 experts, attention "
                       "projections and PLE table with block scales) or llama.cpp's GGUF (one file, --out *.gguf)")
-    init.add_argument("--quant", default="bf16", help="GGUF only: f32, bf16, q8_0 or ud-q4_k_xl (unsloth's mix), "
-                      "or one type for every matrix (Q4_K, IQ4_NL, ...); K-quant and IQ4 weights are random blocks")
+    init.add_argument("--quant", default=None, help="GGUF only: f32, bf16 (the default), q8_0 or ud-q4_k_xl "
+                      "(unsloth's mix), or one type for every matrix (Q4_K, IQ4_NL, ...); K-quant and IQ4 weights "
+                      "are random blocks")
     init.add_argument("--holes", action="store_true", help="GGUF only: leave the routed experts and the PLE table "
                       "unwritten, a sparse file whose holes read as zero weights (the full model at ud-q4_k_xl "
                       "on ~5 GiB of disk instead of 104): for speed and memory benchmarks, not for answers")

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import pwd
-import shlex
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from .config.sources import shipped_dir
+from .config.errors import ConfigError
+from .config.sources import find_profile, shipped_dir
 
 ENV_TEMPLATE = """# Keys for qwen4exp (read by systemd; keep this file mode 0600).
 # QWEN4EXP_API_KEY=
@@ -23,19 +24,43 @@ ENV_TEMPLATE = """# Keys for qwen4exp (read by systemd; keep this file mode 0600
 """
 
 
+# useradd's rule for a system user's name (and systemd's for User=): no spaces, no line breaks, nothing to expand.
+_USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+
+
+def systemd_word(text: str) -> str:
+    """`text` as one word of an ExecStart= line: where it needs it, double-quoted with systemd's specifiers (%) and
+    variable expansion ($) escaped, so a path with spaces stays one argument."""
+    if any(ord(c) < 32 for c in text):
+        raise ValueError(f"{text!r} has a control character (a line break?), which a unit file cannot hold")
+    if re.fullmatch(r"[A-Za-z0-9_./:+@=,-]+", text):
+        return text                                  # nothing systemd reads otherwise
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
+    return f'"{escaped}"'
+
+
 def unit_text(user: str, profile: str, executable: str | None = None) -> str:
+    if not _USER.fullmatch(user):
+        raise ValueError(f"--user {user!r} is not a system user's name (lower-case letters, digits, _ and -, "
+                         f"starting with a letter or _)")
     template = (shipped_dir("systemd") / "qwen4exp.service").read_text()
-    exec_start = executable or f"{shlex.quote(sys.executable)} -m qwen4exp"
-    return template.replace("@EXEC@", exec_start).replace("@USER@", user).replace("@PROFILE@", profile)
+    exec_start = executable or f"{systemd_word(sys.executable)} -m qwen4exp"
+    return template.replace("@EXEC@", exec_start).replace("@USER@", user).replace("@PROFILE@",
+                                                                                   systemd_word(profile))
 
 
 def install(user: str = "qwen4exp", profile: str = "h200", root: str | None = None) -> list[str]:
     """Install; returns what was done, one line each."""
+    try:
+        find_profile(profile)         # a unit naming no profile would fail at every start
+    except ConfigError as err:
+        raise ValueError(f"--profile: {err}") from None
+    text = unit_text(user, profile)
     base = Path(root) if root else Path("/")
     done = []
     unit = base / "etc/systemd/system/qwen4exp.service"
     unit.parent.mkdir(parents=True, exist_ok=True)
-    unit.write_text(unit_text(user, profile))
+    unit.write_text(text)
     done.append(f"wrote {unit}")
     env = base / "etc/qwen4exp/qwen4exp.env"
     env.parent.mkdir(parents=True, exist_ok=True)

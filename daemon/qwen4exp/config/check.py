@@ -39,21 +39,15 @@ def _check_model(settings: Settings, source: str, head_from: str) -> None:
     if settings.model == "tiny":
         return                                  # written on first use; nothing to find
     from ..checkpoint.errors import CheckpointError
-    from ..checkpoint.gguf_file import GGUFCheckpoint, is_gguf
-    from ..checkpoint.loader import checkpoint_files, read_config
+    from ..checkpoint.gguf_file import is_gguf
     from ..model_dir import hub_id
 
     found = hub_id(settings.model)
     path = Path(settings.model) if found is None else _hub_model_path(found, settings.model, source)
     if path is None:
         return                                  # a Hugging Face id still to be downloaded: warned
+    cfg = check_model_files(path, source)
     if is_gguf(path):
-        try:
-            checkpoint = GGUFCheckpoint(path)
-            cfg = checkpoint.model_config()
-            checkpoint.check_types()
-        except (CheckpointError, ValueError) as err:
-            raise ConfigError(f"{source}: model = {str(path)!r} is not a usable GGUF: {err}") from None
         if settings.mtp_weights is not None and hub_id(settings.mtp_weights) is not None:
             warnings.warn(f"{head_from}: mtp_weights = {settings.mtp_weights!r} is a Hugging Face id: serve fetches "
                           f"its config, index and the shards holding mtp.* when it starts, and checks them then",
@@ -64,16 +58,38 @@ def _check_model(settings: Settings, source: str, head_from: str) -> None:
                 head_source(settings.mtp_weights, cfg, str(path))
             except CheckpointError as err:
                 raise ConfigError(f"{head_from}: {err}") from None
-        return
+
+
+def check_model_files(path: str | Path, source: str = "model"):
+    """What a load reads first, from headers only (no tensor data): a GGUF's metadata, tensor types and tokenizer;
+    a checkpoint directory's config, every shard's header (a truncated shard shows there) and tokenizer. Raises
+    ConfigError naming the file; returns the GGUF's model config (None for a directory)."""
+    from ..checkpoint.errors import CheckpointError
+    from ..checkpoint.gguf_file import GGUFCheckpoint, is_gguf
+    from ..checkpoint.loader import checkpoint_files, headers, read_config
+    from ..tokenizer import Tokenizer
+
+    path = Path(path)
+    if is_gguf(path):
+        try:
+            checkpoint = GGUFCheckpoint(path)
+            cfg = checkpoint.model_config()
+            checkpoint.check_types()
+            Tokenizer.from_path(path)
+        except (CheckpointError, ValueError) as err:
+            raise ConfigError(f"{source}: model = {str(path)!r} is not a usable GGUF: {err}") from None
+        return cfg
     if not path.is_dir():
         what = "no such directory" if not path.exists() else "not a directory"
         raise ConfigError(f"{source}: model = {str(path)!r}: {what}; point it at a checkpoint directory "
                           f"(config.json + safetensors + tokenizer), a .gguf file, or write 'tiny'")
     try:
         read_config(path)
-        checkpoint_files(path)
-    except CheckpointError as err:
+        headers(checkpoint_files(path))
+        Tokenizer.from_path(path)
+    except (CheckpointError, ValueError) as err:
         raise ConfigError(f"{source}: model = {str(path)!r} is not a usable checkpoint: {err}") from None
+    return None
 
 
 def _hub_model_path(found, model: str, source: str) -> Path | None:

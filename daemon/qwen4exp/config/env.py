@@ -13,13 +13,19 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
+from contextvars import ContextVar
 from typing import Any
 
+from pydantic import BaseModel
 from pydantic_settings import EnvSettingsSource
 from pydantic_settings.exceptions import SettingsError
 from pydantic_settings.sources.utils import parse_env_vars
 
 from .errors import ConfigError, suggest
+
+# Set while load_settings validates what it merged: its environment layer (the mapping it was given) is in
+# there, so Settings does not read os.environ a second time.
+ENV_LAYER_MERGED: ContextVar[bool] = ContextVar("env_layer_merged", default=False)
 
 PREFIX = "QWEN4EXP_"
 DELIMITER = "__"
@@ -72,6 +78,11 @@ class EnvSource(EnvSettingsSource):
         candidates += [PREFIX + DELIMITER.join(parts[:end]) for end in range(len(parts) - 1, 0, -1)]
         return next((names[c.lower()] for c in candidates if c.lower() in names), None)
 
+    def _tables(self) -> list[str]:
+        """The settings that are tables of their own ([server], [prefix_cache])."""
+        return [name for name, field in self.settings_cls.model_fields.items()
+                if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)]
+
     def unknown(self) -> list[str]:
         """Variables that look meant as settings but name none (QWEN4EXP_SEVER__PORT), one problem each."""
         fields = list(self.settings_cls.model_fields)
@@ -84,6 +95,14 @@ class EnvSource(EnvSettingsSource):
             if top in fields or rest in PLAIN_SECRETS or rest in NOT_SETTINGS:
                 continue
             close = suggest(top, fields, cutoff=0.8)
+            # A table's key written with one underscore (QWEN4EXP_SERVER_API_KEY): ignored, it would leave the
+            # server without its key, so it is refused with the spelling meant.
+            table = next((t for t in self._tables() if rest.startswith(t + "_")), None)
+            if table is not None:
+                problems.append(f"environment ({name}): not a setting (did you mean {PREFIX}{table.upper()}"
+                                f"{DELIMITER}{rest[len(table) + 1:].upper()}? a table's keys follow a double "
+                                f"underscore)")
+                continue
             # Only names that look meant for us are refused: other QWEN4EXP_* variables may belong to tools.
             if DELIMITER in rest or close is not None:
                 hint = f" (did you mean {PREFIX}{close.upper()}{rest[len(top):].upper()}?)" if close else ""

@@ -15,7 +15,7 @@ from typing import Any, get_args
 from pydantic import BaseModel, SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
-from .env import EnvSource
+from .env import ENV_LAYER_MERGED, EnvSource
 from .errors import ConfigError, describe_validation_error
 from .schema import Settings
 from .sources import DEFAULT_PROFILE, find_profile, read_profile
@@ -45,6 +45,7 @@ def load_settings(profile: str | Path | None = None, overrides: Mapping[str, Any
             if value != {} or ".".join(loc) not in known:     # an empty [server] table sets nothing
                 sources[loc] = label(loc)
         merged = _merge(merged, data)
+    token = ENV_LAYER_MERGED.set(True)
     try:
         settings = Settings.model_validate(merged)
     except ValidationError as err:
@@ -52,6 +53,8 @@ def load_settings(profile: str | Path | None = None, overrides: Mapping[str, Any
             err, source_of=lambda loc: _source_of(sources, loc), expected_of=_expected_of,
             keys=schema_keys(), secret_keys=_secret_keys())
         raise ConfigError(env_source.unknown() + error.problems) from None
+    finally:
+        ENV_LAYER_MERGED.reset(token)
     if env_source.unknown():
         raise ConfigError(env_source.unknown())
     settings._sources = {".".join(loc): label for loc, label in sources.items()}

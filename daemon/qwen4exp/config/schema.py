@@ -252,7 +252,9 @@ class Settings(BaseSettings):
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings):
-        from .env import EnvSource  # the env layer reads this schema: import it late, not in a cycle
+        from .env import ENV_LAYER_MERGED, EnvSource  # the env layer reads this schema: import it late
+        if ENV_LAYER_MERGED.get():     # load_settings merged the environment it was given already
+            return (init_settings,)
         return init_settings, EnvSource(settings_cls)
 
     @field_validator("model")

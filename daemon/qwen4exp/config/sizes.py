@@ -47,10 +47,14 @@ def parse_size(value: object) -> int:
 
 
 def parse_optional_size(value: object) -> int | None:
-    """A size, or None for no limit: "none" (TOML has no null) or a Python None from code."""
+    """A device's size or cap, or None for none given: "none" (TOML has no null) or a Python None from code. Zero
+    is refused: no device holds nothing, and a cap of 0 would fit nothing (say "none" for no cap)."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "none"):
         return None
-    return parse_size(value)
+    size = parse_size(value)
+    if size == 0:
+        raise ValueError("must be more than 0 bytes (or 'none')")
+    return size
 
 
 def parse_seconds(value: object) -> float | None:

@@ -596,6 +596,14 @@ def split_inputs(facts: ModelFacts, splits: tuple[DeviceSize, ...], counts: tupl
 
 
 # ---- sizes from flags or a profile --------------------------------------------------------------------------------
+def _given(device: DeviceSize, where: str) -> DeviceSize:
+    """A device whose size the operator gave, refused where the driver's share leaves nothing (a forgotten unit)."""
+    if device.total <= device.reserved:
+        raise EstimateError(f"{where}: {human_size(device.total)} is no more than the {human_size(device.reserved)} "
+                            f"the driver and context take: a size without its unit? (e.g. 80GiB)")
+    return device
+
+
 def parse_devices(text: str, kind: str, limit: int | None) -> tuple[DeviceSize, tuple[DeviceSize, ...]]:
     """--devices target=SIZE[,split=SIZE...] (sizes as profiles write them): the target and any split devices."""
     from ..config.sizes import parse_size
@@ -616,9 +624,9 @@ def parse_devices(text: str, kind: str, limit: int | None) -> tuple[DeviceSize, 
         if role == "target":
             if target is not None:
                 raise EstimateError("--devices names the target twice; one device is the target")
-            target = DeviceSize("target", "target", kind, total, limit)
+            target = _given(DeviceSize("target", "target", kind, total, limit), f"--devices {part}")
         else:
-            splits.append(total)
+            splits.append(_given(DeviceSize("split", "split", kind, total), f"--devices {part}").total)
     if target is None:
         raise EstimateError(f"--devices {text!r} names no target (e.g. --devices target=32GiB)")
     names = ["split"] if len(splits) == 1 else [f"split{i + 1}" for i in range(len(splits))]
@@ -648,7 +656,8 @@ def profile_devices(settings) -> tuple[DeviceSize, tuple[DeviceSize, ...]]:
         if device.memory is None:
             raise EstimateError(f"profile devices: {device.name} ({role}) has no `memory`: an estimate needs each "
                                 f"device's total memory (memory = \"32GiB\"), or give --devices")
-        return DeviceSize(role, device.name, device.kind, device.memory,
-                          settings.memory_limit_for(device) if role == "target" else device.memory_limit)
+        return _given(DeviceSize(role, device.name, device.kind, device.memory,
+                                 settings.memory_limit_for(device) if role == "target" else device.memory_limit),
+                      f"profile devices: {device.name} ({role}) memory")
 
     return size(settings.target, "target"), tuple(size(d, "split") for d in settings.split_devices)

@@ -26,7 +26,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_device(name: str | None) -> torch.device:
     if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name.lower() if isinstance(name, str) else name)
+    except RuntimeError:
+        raise ValueError(f"device {name!r} is not one this engine runs on: cpu, cuda or cuda:N (ROCm GPUs are "
+                         f"cuda too), or auto") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not one this engine runs on: cpu, cuda or cuda:N (ROCm GPUs are "
+                         f"cuda too), or auto")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for, but torch sees no CUDA/ROCm device")
     return device

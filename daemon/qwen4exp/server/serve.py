@@ -22,7 +22,11 @@ async def start_app(app: web.Application, host: str, port: int) -> web.AppRunner
     # whether it was streaming, waiting for a JSON answer or still queued.
     runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
     await runner.setup()
-    await GuardedSite(runner, app[GUARD], host, port).start()
+    try:
+        await GuardedSite(runner, app[GUARD], host, port).start()
+    except OSError:
+        await runner.cleanup()             # the worker it started goes with it
+        raise
     return runner
 
 
