@@ -301,3 +301,20 @@ def test_settings_are_frozen(etc):
     with pytest.raises(ValueError, match="frozen"):
         settings.server.port = 1
     assert settings.slots == 4 and settings.server.port == 8077
+
+
+@pytest.mark.parametrize("text, message", [
+    ('slots = true\n', "slots = True: got true, a boolean"),
+    ('[server]\nmax_body_bytes = 0\n', "server.max_body_bytes = 0: 0 bytes would refuse every request's body"),
+    ('[devices]\nname = "cpu"\nrole = "target"\n', "devices = {'name': 'cpu', 'role': 'target'}: Input should be"),
+])
+def test_a_value_of_the_wrong_kind_is_refused_and_blamed_on_its_file(etc, tmp_path, text, message):
+    profile = write(tmp_path / "p.toml", 'model = "tiny"\n' + text)
+    with pytest.raises(ConfigError, match=re.escape(f"profile {profile}: {message}")):
+        load_settings(profile, env=env_for(etc))
+
+
+def test_a_profile_saved_with_a_byte_order_mark_reads_as_without(etc, tmp_path):
+    profile = tmp_path / "bom.toml"
+    profile.write_bytes(b"\xef\xbb\xbfmodel = \"tiny\"\nslots = 2\n")
+    assert load_settings(profile, env=env_for(etc)).slots == 2

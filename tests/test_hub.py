@@ -152,7 +152,8 @@ def test_a_gguf_only_repo_needs_its_quant_unless_it_has_one(cache, caplog):
 def test_an_id_not_in_the_cache_names_the_id_and_the_cache(cache):
     message = error_of("org/absent")
     assert f"model 'org/absent': org/absent is not in the Hugging Face cache at {cache}" in message
-    assert message.endswith("and HF_HUB_OFFLINE is set (unset it to download)")
+    assert message.endswith(f"and HF_HUB_OFFLINE is set (unset it to download); nor is there a file or directory "
+                            f"org/absent in {Path.cwd()}")
     cache_repo(cache, "org/gguf", QUANTS)
     assert f"org/gguf at revision 'v2' is not in the Hugging Face cache at {cache}" in error_of("org/gguf:Q8_0@v2")
 

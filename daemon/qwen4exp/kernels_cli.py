@@ -34,10 +34,13 @@ def _model(name: str, quant: str | None, mtp_weights: str | None = None):
         return config, quantized_for(config, quant) if quant else {}
     if quant is not None:
         raise SystemExit("error: --quant goes with a preset (a checkpoint has its own types)")
-    path = str(resolve_model(name))
-    config = model_config(path)
+    from .checkpoint.errors import CheckpointError
+    try:
+        path = str(resolve_model(name))
+        config = model_config(path)
+    except (CheckpointError, ValueError) as err:
+        raise SystemExit(f"error: --model {name}: {err}") from None
     if mtp_weights is not None:
-        from .checkpoint.errors import CheckpointError
         from .checkpoint.mtp_weights import head_source
         if not is_gguf(path):
             raise SystemExit(f"error: --mtp-weights gives a GGUF model its MTP head; {path} is not a GGUF")

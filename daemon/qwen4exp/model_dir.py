@@ -36,7 +36,9 @@ def resolve_model(name: str) -> Path:
         try:
             return resolve(found)
         except HubError as err:
-            raise SystemExit(f"error: model {name!r}: {err}") from None
+            # org/repo is also how a relative path is written: say that none is there either.
+            local = "" if any(c in name for c in ":@") else f"; nor is there a file or directory {name} in {Path.cwd()}"
+            raise SystemExit(f"error: model {name!r}: {err}{local}") from None
     raise SystemExit(f"error: model {name!r} is neither a checkpoint directory, a .gguf file, a Hugging Face id "
                      f"(org/repo, org/repo:QUANT) nor 'tiny' (write random-weight checkpoints with "
                      f"`qwen4exp init-checkpoint --preset tiny|bench|full`)")

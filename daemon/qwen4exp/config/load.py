@@ -110,7 +110,9 @@ def _source_of(sources: Mapping[tuple[str, ...], str], loc: tuple) -> str:
     for end in range(len(parts), 0, -1):
         if parts[:end] in sources:
             return sources[parts[:end]]
-    return DEFAULT
+    # A table where a value or a list belongs ([devices] for [[devices]]): the layer that set keys inside it.
+    inside = [label for key, label in sources.items() if parts and key[:len(parts)] == parts]
+    return inside[-1] if inside else DEFAULT
 
 
 def _leaves(data: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:

@@ -105,6 +105,21 @@ def _dtype(value: Any) -> Any:
     return {"bf16": "bfloat16", "fp32": "float32"}.get(_lower(value), _lower(value))
 
 
+def _not_bool(value: Any) -> Any:
+    """`slots = true` is a mistake, not 1 (pydantic would read it so)."""
+    if isinstance(value, bool):
+        raise ValueError(f"got {str(value).lower()}, a boolean")
+    return value
+
+
+def _body_size(value: Any) -> int:
+    size = parse_size(value)
+    if size < 1024:
+        raise ValueError(f"{size} bytes would refuse every request's body; at least 1KiB")
+    return size
+
+
+Whole = Annotated[int, BeforeValidator(_not_bool)]
 Tokens = Annotated[int | Literal["auto"], PlainValidator(_tokens)]
 Size = Annotated[int, PlainValidator(parse_size)]
 OptionalSize = Annotated[int | None, PlainValidator(parse_optional_size)]
@@ -150,13 +165,14 @@ class PrefixCache(_Table):
 
 class Server(_Table):
     host: str = _field("127.0.0.1", "an address or host name", "Address the API listens on.", min_length=1)
-    port: int = _field(8077, "a port from 1 to 65535", "TCP port of the API.", ge=1, le=65535)
+    port: Whole = _field(8077, "a port from 1 to 65535", "TCP port of the API.", ge=1, le=65535)
     api_key: SecretStr | None = _field(
         None, "a non-empty string", "Bearer key for the inference endpoints (/generate, /v1/*); none: open.")
     admin_key: SecretStr | None = _field(
         None, "a non-empty string", "Bearer key for the admin endpoints (/park, /unpark); none: open.")
-    queue_limit: int = _field(64, "a whole number of at least 1", "Requests waiting for a slot before 429.", ge=1)
-    max_body_bytes: Size = _field(8 * 2**20, "a size like '8MiB'", "Largest request body accepted.")
+    queue_limit: Whole = _field(64, "a whole number of at least 1", "Requests waiting for a slot before 429.", ge=1)
+    max_body_bytes: Annotated[int, PlainValidator(_body_size)] = _field(
+        8 * 2**20, "a size like '8MiB', at least 1KiB", "Largest request body accepted.")
     request_timeout: Seconds = _field(
         600.0, "seconds, a duration like '10m', or 'never'",
         "Longest a request may take, queue, prefill and decode together; past it the answer is 408 with what it "
@@ -167,7 +183,7 @@ class Server(_Table):
         "answer (so an idle keep-alive connection is closed after this long).")
     body_timeout: PositiveSeconds = _field(
         60.0, "seconds or a duration like '2m'", "Longest a request's body may take to arrive; past it, 408.")
-    max_connections: int = _field(
+    max_connections: Whole = _field(
         1024, "a whole number of at least 1",
         "Connections open at once; past it, a new connection is answered 503 with Retry-After and closed.", ge=1)
 
@@ -193,7 +209,7 @@ class Settings(BaseSettings):
         (Device(name="cpu", role=("target",)),), "a list of [[devices]] tables", "The devices and their roles.")
     dtype: Annotated[Literal["float32", "bfloat16"], BeforeValidator(_dtype)] = _field(
         "float32", "'float32' or 'bfloat16'", "Weights and activations dtype (recurrent state stays float32).")
-    slots: int = _field(4, "a whole number from 1 to 16", "Requests served at once, each with the full context.",
+    slots: Whole = _field(4, "a whole number from 1 to 16", "Requests served at once, each with the full context.",
                         ge=1, le=16)
     max_ctx: Tokens = _field("auto", "'auto' or a multiple of 4 up to 262144",
                              "Context per slot; `auto`: the largest that fits, measured at start.")
@@ -220,7 +236,7 @@ class Settings(BaseSettings):
         "safetensors release of the same model (Qwen's bfloat16 or FP8), of which config.json, the index and the "
         "shards holding the `mtp.*` tensors are read (an id fetches only those). Without it a GGUF model does not "
         "draft.", min_length=1)
-    hot_experts: int = _field(
+    hot_experts: Whole = _field(
         0, "a whole number from 0 to 512",
         "With `split` devices: this many of each split layer's experts, the most routed, are also kept on the target, "
         "whose decode steps run the pairs routed to them (chosen at each load from the counts while serving, or a "

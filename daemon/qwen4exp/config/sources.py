@@ -97,8 +97,9 @@ def _description(path: Path) -> str:
 def read_profile(path: Path) -> dict[str, Any]:
     """The TOML document; a syntax error names the file, line and column (path:line:column, as editors read)."""
     try:
-        with open(path, "rb") as handle:
-            return tomllib.load(handle)
+        raw = Path(path).read_bytes()
+        # A byte-order mark (Windows editors write one) is no part of the TOML.
+        return tomllib.loads(raw.removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
     except OSError as err:
         raise ConfigError(f"cannot read profile {path}: {err.strerror or err}") from None
     except UnicodeDecodeError as err:
