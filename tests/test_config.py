@@ -318,3 +318,13 @@ def test_a_profile_saved_with_a_byte_order_mark_reads_as_without(etc, tmp_path):
     profile = tmp_path / "bom.toml"
     profile.write_bytes(b"\xef\xbb\xbfmodel = \"tiny\"\nslots = 2\n")
     assert load_settings(profile, env=env_for(etc)).slots == 2
+
+
+def test_a_rule_between_keys_set_in_two_layers_names_both(etc, tmp_path):
+    profile = write(tmp_path / "p.toml", 'model = "tiny"\nchunk = 64\n')
+    with pytest.raises(ConfigError, match=re.escape(f"profile {profile} (chunk) and command line (max_ctx): chunk: "
+                                                    "chunk (64) is larger than max_ctx (8)")):
+        load_settings(profile, overrides={"max_ctx": 8}, env=env_for(etc))
+    both = write(tmp_path / "q.toml", 'model = "tiny"\nchunk = 64\nmax_ctx = 8\n')
+    with pytest.raises(ConfigError, match=re.escape(f"profile {both}: chunk: chunk (64) is larger than max_ctx")):
+        load_settings(both, env=env_for(etc))

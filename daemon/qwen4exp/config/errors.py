@@ -33,8 +33,8 @@ class ConfigWarning(UserWarning):
 class KeyedValueError(ValueError):
     """Raised inside cross-field validators so the message can name the key it is about, not the whole model."""
 
-    def __init__(self, key: str, message: str):
-        self.key = key
+    def __init__(self, key: str, message: str, others: tuple[str, ...] = ()):
+        self.key, self.others = key, others      # `others`: the keys the rule weighs `key` against
         super().__init__(message)
 
 
@@ -69,6 +69,11 @@ def describe_validation_error(err: ValidationError, *, source_of: Callable[[tupl
             loc = tuple(cause.key.split("."))
         key, schema_key = dotted(loc), _schema_key(loc)
         where = source_of(loc)
+        if isinstance(cause, KeyedValueError) and cause.others:
+            # Each key's own layer, where they differ: --context 8 against a profile's chunk names both.
+            named = {k: source_of(tuple(k.split("."))) for k in (cause.key, *cause.others)}
+            if len(set(named.values())) > 1:
+                where = " and ".join(f"{source} ({k})" for k, source in named.items())
         if e["type"] == "extra_forbidden":
             problems.append(f"{where}: unknown key {key}{_did_you_mean(schema_key, keys)}")
             continue

@@ -295,7 +295,8 @@ class Settings(BaseSettings):
         if len([d for d in self.devices if "snapshots" in d.role]) > 1:
             raise KeyedValueError("devices", "at most one device may have role 'snapshots'")
         if isinstance(self.chunk, int) and isinstance(self.max_ctx, int) and self.chunk > self.max_ctx:
-            raise KeyedValueError("chunk", f"chunk ({self.chunk}) is larger than max_ctx ({self.max_ctx})")
+            raise KeyedValueError("chunk", f"chunk ({self.chunk}) is larger than max_ctx ({self.max_ctx})",
+                                  others=("max_ctx",))
         if self.mtp_weights is not None and (self.model == "tiny" or Path(self.model).is_dir()):
             raise KeyedValueError("mtp_weights", f"gives a GGUF model its MTP head; model = {self.model!r} is a "
                                   f"safetensors checkpoint, which brings its own head (or has none)")
