@@ -157,6 +157,9 @@ def test_generate_on_a_broken_gguf_or_a_directory_without_tokenizer_is_one_error
     ('{"prompt": "a", "prompt_ids": [1]}', "prompts.jsonl:2: give exactly one of"),
     ('{"prompt": "a", "temprature": 0.5}', "temprature"),
     ('{"prompt_ids": [1, "x"]}', 'prompts.jsonl:2: "prompt_ids" must be a list of integers'),
+    ('{"prompt": "a", "stop_token_ids": [true]}', 'prompts.jsonl:2: "stop_token_ids" must be a list of token ids'),
+    ('{"prompt": "a", "stop_token_ids": [-5]}', 'prompts.jsonl:2: "stop_token_ids" must be a list of token ids'),
+    ('{"prompt": "a", "chat": "yes"}', 'prompts.jsonl:2: "chat" must be true or false'),
 ])
 def test_prompts_file_errors_name_the_line(tiny_checkpoint, tmp_path, line, message):
     path = tmp_path / "prompts.jsonl"

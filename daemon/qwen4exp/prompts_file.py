@@ -47,13 +47,15 @@ def read_requests(path: str | Path, tokenizer, default_max_tokens: int, eos_ids:
 def _request(entry: dict, where: str, tokenizer, default_max_tokens: int, eos_ids: tuple[int, ...]) -> Request:
     if ("prompt" in entry) == ("prompt_ids" in entry):
         raise PromptsFileError(f"{where}: give exactly one of \"prompt\" (text) or \"prompt_ids\" (a list of ints)")
+    chat = entry.get("chat", False)
+    if not isinstance(chat, bool):
+        raise PromptsFileError(f"{where}: \"chat\" must be true or false, got {chat!r}")
     if "prompt" in entry:
         if not isinstance(entry["prompt"], str):
             raise PromptsFileError(f"{where}: \"prompt\" must be a string")
         text = entry["prompt"]
         # A chat prompt is tokenized as the server tokenizes one: its text stays text, whatever it contains.
-        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}]) if entry.get("chat") else \
-            tokenizer.encode(text)
+        prompt_ids = tokenizer.encode_chat([{"role": "user", "content": text}]) if chat else tokenizer.encode(text)
     else:
         ids = entry["prompt_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -67,8 +69,10 @@ def _request(entry: dict, where: str, tokenizer, default_max_tokens: int, eos_id
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise PromptsFileError(f"{where}: \"stop\" must be a string or a list of strings")
     stop_ids = entry.get("stop_token_ids", list(eos_ids))
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
-        raise PromptsFileError(f"{where}: \"stop_token_ids\" must be a list of integers")
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                 for t in stop_ids):
+        raise PromptsFileError(f"{where}: \"stop_token_ids\" must be a list of token ids (integers >= 0), got "
+                               f"{stop_ids!r}")
     sampling_fields = {k: v for k, v in entry.items() if k not in _REQUEST_KEYS}
     try:
         sampling = SamplingParams.from_dict(sampling_fields, where=where)
