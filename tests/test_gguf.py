@@ -223,6 +223,15 @@ def test_a_split_part_renamed_or_mixed_up_is_named_by_what_it_records(tmp_path):
         GGUFCheckpoint(alone)
 
 
+def test_a_merged_file_that_records_split_count_0_reads_as_a_whole_file():
+    """llama-gguf-split --merge keeps split.no and writes split.count 0 into the file it merges into."""
+    from qwen4exp.checkpoint.gguf_file import _check_part
+
+    _check_part(Path("merged.gguf"), {"split.no": 0, "split.count": 0, "split.tensors.count": 214}, 0, 1)
+    with pytest.raises(CheckpointError, match="part 2 of a split GGUF of 3 parts, named as a whole file"):
+        _check_part(Path("model.gguf"), {"split.no": 1, "split.count": 3}, 0, 1)
+
+
 @pytest.mark.parametrize("alignment", [0, 7])
 def test_an_alignment_that_is_not_a_power_of_two_is_refused(tmp_path, alignment):
     from gguf import GGUFWriter

@@ -254,9 +254,9 @@ def _nested(depth: int) -> dict:
     ("/v1/chat/completions", _ASKED | {"tools": [_tool(parameters={"properties": {"\udc00": {}}})]}, "tools",
      "'tools[0].function.parameters.properties (a key)' has a lone surrogate"),
     ("/v1/chat/completions", _ASKED | {"tools": [_tool(parameters=_nested(900))]}, "tools",
-     "is nested more than 32 levels deep"),
+     "is nested more than 64 levels deep"),
     ("/v1/chat/completions", _ASKED | {"chat_template_kwargs": {"x": _nested(900)}}, "chat_template_kwargs",
-     "is nested more than 32 levels deep"),
+     "is nested more than 64 levels deep"),
     ("/v1/chat/completions", _ASKED | {"chat_template_kwargs": {"self": 1}}, "chat_template_kwargs",
      "key 'self' is not a template variable's name"),
     # An integer past float's range, in a float field; and a sampling field's error names its field.

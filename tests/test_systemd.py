@@ -58,7 +58,8 @@ def test_unit_is_type_notify_with_a_watchdog_and_hardening():
         assert line in text
 
 
-def test_a_profile_path_with_spaces_stays_one_argument_and_names_that_break_the_unit_are_refused(tmp_path):
+def test_a_profile_path_with_spaces_stays_one_argument_and_names_that_break_the_unit_are_refused(tmp_path,
+                                                                                                monkeypatch):
     profile = tmp_path / "my profile 100%.toml"
     profile.write_text('model = "tiny"\n')
     unit = unit_text("qwen4exp", str(profile), executable="/usr/bin/env qwen4exp")
@@ -68,8 +69,12 @@ def test_a_profile_path_with_spaces_stays_one_argument_and_names_that_break_the_
     with pytest.raises(ValueError, match="not a system user's name"):
         unit_text("", "h200")
     with pytest.raises(ValueError, match="no profile named 'nonexistent'"):
-        install(user="svc", profile="nonexistent", root=str(tmp_path))
+        install(user="svc", profile="nonexistent", root=str(tmp_path), find=True)
     assert not (tmp_path / "etc").exists()                # nothing written
+    monkeypatch.chdir(tmp_path)                           # a relative path is written as the file it names here
+    install(user="svc", profile="my profile 100%.toml", root=str(tmp_path / "root"), find=True)
+    unit = (tmp_path / "root/etc/systemd/system/qwen4exp.service").read_text()
+    assert f'--profile "{tmp_path}/my profile 100%%.toml"' in unit
 
 
 def test_install_into_a_root_dir_writes_the_unit_and_a_private_env_file(tmp_path):

@@ -30,6 +30,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import time
     from dataclasses import replace
 
+    import torch
+
     from .engine.engine import Engine
     from .engine.engine_config import EngineConfig
     from .engine.request import RequestRejected
@@ -59,20 +61,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     context = config.max_ctx if args.context is not None else \
         -(-max(len(r.prompt_ids) + r.max_tokens for r in requests) // config.chunk) * config.chunk
     config = replace(config, queue_limit=max(config.queue_limit, len(requests)))
+    if args.context is None:
+        _check_trained_context(args, requests, config.model)
     try:
         _, model = config.load_model(progress=not args.json)
-        trained = model.config.max_position_embeddings
-        if args.context is None and context > trained:
-            longest = max(range(len(requests)), key=lambda i: len(requests[i].prompt_ids) + requests[i].max_tokens)
-            where = f"{args.prompts_file} request {longest + 1}: " if args.prompts_file is not None else ""
-            raise ValueError(f"{where}a prompt of {len(requests[longest].prompt_ids)} tokens + max tokens "
-                             f"{requests[longest].max_tokens} is past the model's trained context of {trained} "
-                             f"positions")
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    try:
         engine = Engine.from_config(model, config, context=context, tokenizer=tokenizer)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    except (RuntimeError, MemoryError) as err:       # the slots' states allocated for the context
-        if "memory" not in str(err).lower():
+    except (torch.OutOfMemoryError, MemoryError) as err:        # the slots' states allocated for the context
+        raise SystemExit(f"error: {config.slots} slot(s) of {context} positions do not fit in memory "
+                         f"({str(err).splitlines()[0]}); lower the max tokens or --slots") from None
+    except RuntimeError as err:       # the CPU allocator's refusal is a RuntimeError
+        if "can't allocate memory" not in str(err):
             raise
         raise SystemExit(f"error: {config.slots} slot(s) of {context} positions do not fit in memory "
                          f"({str(err).splitlines()[0]}); lower the max tokens or --slots") from None
@@ -193,7 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .config.check import check_model_files
     from .engine.engine_config import EngineConfig
     from .server.sd_notify import Notifier
-    from .server.serve import serve
+    from .server.serve import ListenError, serve
     from .server.shared import ServerOptions
 
     settings = _settings(args, SERVE_OVERRIDES)
@@ -214,9 +217,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve(engine, options, host, port,
                           on_ready=lambda app: print(f"qwen4exp: serving on http://{host}:{port}", file=sys.stderr)))
-    except OSError as err:            # the address taken meanwhile
-        raise SystemExit(f"error: cannot listen on {host}:{port} (server.host, server.port): {err}") from None
+    except ListenError as err:        # the address taken meanwhile
+        raise SystemExit(f"error: {err}") from None
     return 0
+
+
+def _check_trained_context(args: argparse.Namespace, requests, model: str) -> None:
+    """Refuse, before the load, a request longer than the model's trained context (read from the headers): the
+    slots would be sized to it."""
+    from .engine.loading import model_config
+
+    try:
+        trained = model_config(model).max_position_embeddings
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
+    for number, request in enumerate(requests, start=1):
+        if len(request.prompt_ids) + request.max_tokens > trained:
+            where = f"{args.prompts_file} request {number}: " if args.prompts_file is not None else ""
+            raise SystemExit(f"error: {where}a prompt of {len(request.prompt_ids)} tokens + max tokens "
+                             f"{request.max_tokens} is past the model's trained context of {trained} positions")
 
 
 def _check_address(host: str, port: int) -> None:
@@ -307,8 +326,11 @@ def _check_init_arguments(args: argparse.Namespace) -> None:
             raise SystemExit("error: --holes leaves a GGUF's expert data unwritten; add --format gguf")
         if args.quant is not None:
             raise SystemExit(f"error: --quant {args.quant!r} chooses a GGUF's mix; add --format gguf")
-    elif (args.quant or "bf16") not in MIXES + ONE_TYPE:
-        raise SystemExit(f"error: --quant {args.quant!r}: choose one of {', '.join(MIXES + ONE_TYPE)}")
+    else:
+        given = args.quant or "bf16"
+        args.quant = given.lower() if given.lower() in MIXES else given.upper()     # any case, as plan reads it
+        if args.quant not in MIXES + ONE_TYPE:
+            raise SystemExit(f"error: --quant {given!r}: choose one of {', '.join(MIXES + ONE_TYPE)}")
     out = Path(args.out)
     if out.is_dir() and (args.format == "gguf" or any(out.iterdir())):
         raise SystemExit(f"error: --out {args.out}: a directory{' holding files' if args.format != 'gguf' else ''} "

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .config.errors import ConfigError
-from .config.sources import find_profile, shipped_dir
+from .config.sources import find_profile, is_path, shipped_dir
 
 ENV_TEMPLATE = """# Keys for qwen4exp (read by systemd; keep this file mode 0600).
 # QWEN4EXP_API_KEY=
@@ -49,12 +49,17 @@ def unit_text(user: str, profile: str, executable: str | None = None) -> str:
                                                                                    systemd_word(profile))
 
 
-def install(user: str = "qwen4exp", profile: str = "h200", root: str | None = None) -> list[str]:
-    """Install; returns what was done, one line each."""
-    try:
-        find_profile(profile)         # a unit naming no profile would fail at every start
-    except ConfigError as err:
-        raise ValueError(f"--profile: {err}") from None
+def install(user: str = "qwen4exp", profile: str = "h200", root: str | None = None,
+            find: bool | None = None) -> list[str]:
+    """Install; returns what was done, one line each. `find` (default: without `root`, where the profile must be
+    this machine's) looks the profile up first and writes a path as the file found."""
+    if find if find is not None else not root:      # a unit naming no profile would fail at every start
+        try:
+            found = find_profile(profile)
+        except ConfigError as err:
+            raise ValueError(f"--profile: {err}") from None
+        # The service starts in /, as another user: a path is written as the file found here.
+        profile = str(found) if is_path(profile) else profile
     text = unit_text(user, profile)
     base = Path(root) if root else Path("/")
     done = []

@@ -57,7 +57,9 @@ def _check_part(shard: Path, fields: dict, number: int, parts: int) -> None:
                                   f"split (no split.count): a whole file renamed?")
         return
     count, no = int(fields["split.count"]), int(fields.get("split.no", 0))
-    if parts == 1 and count > 1:
+    if parts == 1 and count <= 1:
+        return                        # llama-gguf-split --merge writes split.count 0 into the whole file
+    if parts == 1:
         raise CheckpointError(f"{shard}: part {no + 1} of a split GGUF of {count} parts, named as a whole file; "
                               f"give the first part under its split name (<name>-00001-of-{count:05d}.gguf), "
                               f"the others beside it")

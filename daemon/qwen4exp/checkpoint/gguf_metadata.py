@@ -46,7 +46,8 @@ def config_from_metadata(value: Callable[[str], object], tensor_shape: Callable[
     def per_layer(name: str, default) -> list:
         values = get(name, default)
         if not isinstance(values, list):
-            raise CheckpointError(f"{where}: metadata key {key(name)} is {values!r}, not a list a layer")
+            raise CheckpointError(f"{where}: metadata key {key(name)} is {values!r}, not a list of one entry a "
+                                  f"layer")
         if len(values) != layers:
             raise CheckpointError(f"{where}: metadata key {key(name)} has {len(values)} entries for the {layers} "
                                   f"layers of {key('block_count')}")
@@ -144,10 +145,7 @@ def config_from_metadata(value: Callable[[str], object], tensor_shape: Callable[
             "heads_per_ngram": number("ple.heads_per_ngram"),
             "ple_conv_kernel_size": number("ple.conv_kernel"),
             "ple_embed_dim": number("embedding_length_per_layer_input") * ngram_heads,
-            "ple_hash": {"layer_multipliers": [int(v) for v in get("ple.layer_multipliers")],
-                         "head_vocab_sizes": [int(v) for v in get("ple.head_vocab_sizes")],
-                         "head_offsets": [int(v) for v in get("ple.head_offsets")],
-                         "table_rows": table[0]},
+            "ple_hash": _ple_hash(get, number("ple.ngram_size", low=2), ngram_heads, table[0], where),
         })
         ple_eos = number("ple.eos_token_id", default=config["eos_token_id"], low=0)
         if ple_eos != config["eos_token_id"]:
@@ -155,6 +153,23 @@ def config_from_metadata(value: Callable[[str], object], tensor_shape: Callable[
                          f"end of text {config['eos_token_id']}: the PLE's is used")
             config["eos_token_id"] = ple_eos
     return config, notes
+
+
+def _ple_hash(get, ngram_size: int, heads: int, rows: int, where: str) -> dict:
+    """The PLE hash constants, of the lengths the hash reads (a multiplier an n-gram position, a size and an offset
+    a head) and inside the table: a wrong one would index past the table at the first forward."""
+    lists = {}
+    for name, length in (("layer_multipliers", ngram_size), ("head_vocab_sizes", heads), ("head_offsets", heads)):
+        values = get(f"ple.{name}")
+        if not isinstance(values, list) or len(values) != length or not all(isinstance(v, int) for v in values):
+            raise CheckpointError(f"{where}: metadata key {key('ple.' + name)} must be a list of {length} integers, "
+                                  f"got {values if not isinstance(values, list) else f'{len(values)} entries'}")
+        lists[name] = values
+    for head, (size, offset) in enumerate(zip(lists["head_vocab_sizes"], lists["head_offsets"])):
+        if size < 1 or offset < 0 or offset + size > rows:
+            raise CheckpointError(f"{where}: PLE head {head} takes rows {offset}..{offset + size - 1} of "
+                                  f"per_layer_token_embd.weight, which has {rows}")
+    return lists | {"table_rows": rows}
 
 
 def metadata_for(cfg, rope_sections: list[int], ple_constants: dict[str, list[int]], file_type: int,

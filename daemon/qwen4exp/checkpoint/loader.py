@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections import defaultdict
@@ -39,6 +40,9 @@ def _opened(file: Path, device: str = "cpu"):
     except SafetensorError as err:
         raise CheckpointError(f"{file}: cannot be read as safetensors ({err}): a truncated download, or another "
                               "kind of file?") from None
+    except OSError as err:          # safetensors says "no such file" for one this user may not read
+        why = "this user may not read it" if file.exists() and not os.access(file, os.R_OK) else err.strerror
+        raise CheckpointError(f"{file}: cannot be opened ({why})") from None
 
 
 INDEX_FILE = "model.safetensors.index.json"

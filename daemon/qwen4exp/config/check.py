@@ -76,7 +76,7 @@ def check_model_files(path: str | Path, source: str = "model"):
             cfg = checkpoint.model_config()
             checkpoint.check_types()
             Tokenizer.from_path(path)
-        except (CheckpointError, ValueError) as err:
+        except (CheckpointError, ValueError, OSError) as err:
             raise ConfigError(f"{source}: model = {str(path)!r} is not a usable GGUF: {err}") from None
         return cfg
     if not path.is_dir():
@@ -87,7 +87,7 @@ def check_model_files(path: str | Path, source: str = "model"):
         read_config(path)
         headers(checkpoint_files(path))
         Tokenizer.from_path(path)
-    except (CheckpointError, ValueError) as err:
+    except (CheckpointError, ValueError, OSError) as err:
         raise ConfigError(f"{source}: model = {str(path)!r} is not a usable checkpoint: {err}") from None
     return None
 

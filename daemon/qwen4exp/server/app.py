@@ -17,7 +17,7 @@ from .messages import EngineState, ParkLevel
 from .metrics import CONTENT_TYPE, render_metrics
 from .openapi import openapi
 from .prepare import Preparer
-from .request_fields import check_known
+from .request_fields import check_known, optional
 from .shared import ENGINE_CONFIG, GUARD, OPTIONS, PREPARER, STARTED, SUPERVISOR, ServerOptions
 from .supervisor import Supervisor
 
@@ -113,10 +113,10 @@ async def metrics(request: web.Request) -> web.Response:
 async def park(request: web.Request) -> web.Response:
     body = parse_json(await read_body(request, request.app[OPTIONS].body_timeout)) if request.can_read_body else {}
     check_known(body, {"mode", "level"}, "/park")
-    mode = body.get("mode", "wait")
+    mode = optional(body, "mode", "wait")
     if not isinstance(mode, str) or mode not in ("wait", "abort"):
         raise ApiError(400, f"'mode' must be \"wait\" or \"abort\", got {mode!r}", param="mode")
-    level = body.get("level", request.app[OPTIONS].park_level)
+    level = optional(body, "level", request.app[OPTIONS].park_level)
     if not isinstance(level, str) or level not in {str(choice) for choice in ParkLevel}:
         raise ApiError(400, f"'level' must be \"release\" or \"offload\", got {level!r}", param="level")
     started = time.perf_counter()

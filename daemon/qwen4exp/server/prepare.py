@@ -149,7 +149,7 @@ def _include_usage(body: dict) -> bool:
     if unknown:
         raise ApiError(400, f"unknown field(s) in 'stream_options': {', '.join(unknown)}; accepted: include_usage",
                        param="stream_options")
-    include = options.get("include_usage", False)
+    include = optional(options, "include_usage", False)
     if not isinstance(include, bool):
         raise ApiError(400, "'stream_options.include_usage' must be a boolean", param="stream_options")
     return include

@@ -13,7 +13,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 MAX_PROMPT_TOKENS_IN_BODY = 1 << 20
 # The chat template renders tools' schemas, calls' arguments and template variables by recursion (as does the
 # tokenizer's pass over them): deeper values are refused, far below Python's recursion limit.
-MAX_JSON_DEPTH = 32
+MAX_JSON_DEPTH = 64
 
 
 def field_of(key: str) -> str:

@@ -16,6 +16,10 @@ from .sd_notify import Notifier
 log = logging.getLogger("qwen4exp.server")
 
 
+class ListenError(OSError):
+    """The server's address could not be listened on (taken, or not this machine's)."""
+
+
 async def start_app(app: web.Application, host: str, port: int) -> web.AppRunner:
     """Start the engine worker (the app's cleanup_ctx) and wait for it, then listen on host:port."""
     # handler_cancellation: a client that goes away cancels its handler, and with it its request in the engine,
@@ -24,9 +28,10 @@ async def start_app(app: web.Application, host: str, port: int) -> web.AppRunner
     await runner.setup()
     try:
         await GuardedSite(runner, app[GUARD], host, port).start()
-    except OSError:
+    except OSError as err:
         await runner.cleanup()             # the worker it started goes with it
-        raise
+        raise ListenError(f"cannot listen on {host}:{port} (server.host, server.port): {err.strerror or err}") \
+            from None
     return runner
 
 
