@@ -192,7 +192,7 @@ SERVE_OVERRIDES = {"model": "model", "host": "server.host", "port": "server.port
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from .config import ConfigError
+    from .config import ConfigError, explain
     from .config.check import check_model_files
     from .engine.engine_config import EngineConfig
     from .server.sd_notify import Notifier
@@ -209,7 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # What would stop the daemon once the model is loaded, said before: the files' headers and tokenizer, and the
     # address (another server on the port).
     try:
-        check_model_files(engine.model)
+        check_model_files(engine.model, dict((key, source) for key, _, source in explain(settings))["model"])
     except ConfigError as err:
         raise SystemExit(f"error: {err}") from None
     _check_address(host, port)

@@ -25,7 +25,7 @@ ENV_TEMPLATE = """# Keys for qwen4exp (read by systemd; keep this file mode 0600
 
 
 # useradd's rule for a system user's name (and systemd's for User=): no spaces, no line breaks, nothing to expand.
-_USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+_USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
 
 
 def systemd_word(text: str) -> str:
@@ -41,8 +41,8 @@ def systemd_word(text: str) -> str:
 
 def unit_text(user: str, profile: str, executable: str | None = None) -> str:
     if not _USER.fullmatch(user):
-        raise ValueError(f"--user {user!r} is not a system user's name (lower-case letters, digits, _ and -, "
-                         f"starting with a letter or _)")
+        raise ValueError(f"--user {user!r} is not a system user's name (letters, digits, _, . and -, starting "
+                         f"with a letter or _)")
     template = (shipped_dir("systemd") / "qwen4exp.service").read_text()
     exec_start = executable or f"{systemd_word(sys.executable)} -m qwen4exp"
     return template.replace("@EXEC@", exec_start).replace("@USER@", user).replace("@PROFILE@",

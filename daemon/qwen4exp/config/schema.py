@@ -247,8 +247,9 @@ class Settings(BaseSettings):
         "rows a token looks up in place); `auto`: there when that fits a longer context.")
     device_memory_limit: OptionalSize = _field(
         None, "a size like '120GiB', or 'none'", "Cap on what qwen4exp allocates on each device it uses.")
-    headroom: float = _field(0.1, "a fraction from 0 to 0.5",
-                             "Share of each device's memory that `max_ctx = \"auto\"` leaves free.", ge=0, le=0.5)
+    headroom: Annotated[float, BeforeValidator(_not_bool)] = _field(
+        0.1, "a fraction from 0 to 0.5", "Share of each device's memory that `max_ctx = \"auto\"` leaves free.",
+        ge=0, le=0.5)
     park_after_idle: Seconds = _field(None, "seconds, a duration like '30m', or 'never'",
                                       "Park (free the GPUs) after this long without requests.")
     park_level: Annotated[Literal["release", "offload"], BeforeValidator(_lower)] = _field(
