@@ -309,3 +309,10 @@ def test_a_gpu_size_without_its_unit_is_named(devices, where):
     with pytest.raises(SystemExit, match=f"error: {where} is no more than the .* the driver and context take: a "
                                          "size without its unit"):
         main(["--estimate", "--model", "full", "--quant", "ud-q4_k_xl", "--devices", devices])
+
+
+@pytest.mark.parametrize("argv", [["--max-ctx", "1024", "--no-verify"], ["--estimate", "--model", "full", "--quant",
+                                                                          "ud-q4_k_xl", "--devices", "target=139GiB"]])
+def test_a_chunk_serve_would_refuse_is_refused_by_plan_too(argv):
+    with pytest.raises(SystemExit, match=r"--chunk must be a multiple of 4 tokens \(the QSA block\).*got 7"):
+        main([*argv, "--chunk", "7"])

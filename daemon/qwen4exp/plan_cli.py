@@ -107,6 +107,8 @@ def _chunk(choice: str, device) -> int:
         raise ValueError(f"--chunk must be 'auto' or a number of tokens, got {choice!r}") from None
     if chunk <= 0:
         raise ValueError(f"--chunk must be more than 0 tokens, got {chunk}")
+    if chunk % 4:
+        raise ValueError(f"--chunk must be a multiple of 4 tokens (the QSA block), as serve takes it; got {chunk}")
     return chunk
 
 
