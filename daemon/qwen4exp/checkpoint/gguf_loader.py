@@ -6,6 +6,7 @@ are copied as they are (reordered by whole blocks where our layout differs) into
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -47,9 +48,10 @@ def quantized_stacks(checkpoint, config) -> dict[str, tuple[str, tuple[int, ...]
     return stacks
 
 
+@functools.lru_cache(maxsize=4)       # a load asks twice (its stacks, then its copies), for one config
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
     """Each GGUF tensor's shape (torch's axis order) as the model of `config` needs it: from the dense model on the
-    meta device, so that no shape is taken from the file it is checked against."""
+    meta device, so that no shape is taken from the file it is checked against. Read-only (cached)."""
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(config)
     targets = model.state_dict(keep_vars=True)
