@@ -227,10 +227,16 @@ def main() -> None:
     parser.add_argument("--ple", choices=("device", "host"), default="device",
                         help="with --quant: the quantized PLE table on the device or in host memory")
     parser.add_argument("--oracle-only", action="store_true", help="skip section 1 (the steps' own timings)")
+    parser.add_argument("--oracle-forms", default="one_by_one,together",
+                        help="section 2's forms, comma-separated, or none (each form runs two engines)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.ple == "host" and not args.quant:
         parser.error("--ple host keeps a quantized PLE table in host memory: it goes with --quant")
+    forms = {"one_by_one": ("oracle", False), "together": ("oracle_together", True)}
+    oracle_forms = [] if args.oracle_forms == "none" else args.oracle_forms.split(",")
+    if unknown := set(oracle_forms) - set(forms):
+        parser.error(f"--oracle-forms: unknown form {sorted(unknown)[0]!r}; the forms are {', '.join(forms)} or none")
     device = torch.device(args.device)
     started = time.perf_counter()
     if args.checkpoint:
@@ -251,11 +257,13 @@ def main() -> None:
               "load_s": round(time.perf_counter() - started, 1), "slots": {}}
     drafts = [int(k) for k in args.drafts.split(",")]
     for slots in (int(n) for n in args.slots.split(",")):
-        result["slots"][slots] = {"verify": None if args.oracle_only else verify_costs(model, slots, drafts, device,
-                                                                                      args.repeats),
-                                  "oracle": oracle_run(model, slots, args.tokens, device, 1024, False),
-                                  "oracle_together": oracle_run(model, slots, args.tokens, device, 1024, True)}
+        entry = result["slots"][slots] = {"verify": None if args.oracle_only else verify_costs(model, slots, drafts,
+                                                                                              device, args.repeats)}
         Path(args.out).write_text(json.dumps(result, indent=1))
+        for form in oracle_forms:
+            key, together = forms[form]
+            entry[key] = oracle_run(model, slots, args.tokens, device, 1024, together)
+            Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 
 

@@ -34,11 +34,12 @@ def bench_model(args):
     weights built there, the quantized ones as random blocks with `--quant`."""
     if args.checkpoint:
         return load_model(args.checkpoint, dtype="bfloat16", device="cuda", progress=False)
-    return random_model(args.preset, args.layers, torch.bfloat16, "cuda", quant=args.quant)
+    return random_model(args.preset, args.layers, torch.bfloat16, "cuda", quant=args.quant,
+                        ple_on_host=args.ple == "host")
 
 
 def add_model_arguments(parser) -> None:
-    """--checkpoint, or --preset, --layers and --quant: the choice `bench_model` takes (shared by the GPU benches
+    """--checkpoint, or --preset, --layers, --quant and --ple: the choice `bench_model` takes (shared by the GPU benches
     built on it)."""
     parser.add_argument("--checkpoint", help="a checkpoint directory; else random weights on the GPU")
     parser.add_argument("--preset", default="bench", choices=("bench", "full"), help="without --checkpoint")
@@ -46,6 +47,9 @@ def add_model_arguments(parser) -> None:
                         help="without --checkpoint: the preset's first N layers (the bench preset has 8)")
     parser.add_argument("--quant", default=None, help="without --checkpoint: a GGUF mix whose quantized weights are "
                         "random blocks (ud-q4_k_xl, q8_0, ...)")
+    parser.add_argument("--ple", choices=("device", "host"), default="device",
+                        help="with --quant: the quantized PLE table on the device or in host memory (as the full "
+                        "model's is served on one GPU)")
 
 
 def submit_busy(engine: Engine, busy: int, prompt: int, tokens: int, limit: int, seed: int) -> list[Request]:

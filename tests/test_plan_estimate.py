@@ -316,3 +316,12 @@ def test_a_gpu_size_without_its_unit_is_named(devices, where):
 def test_a_chunk_serve_would_refuse_is_refused_by_plan_too(argv):
     with pytest.raises(SystemExit, match=r"--chunk must be a multiple of 4 tokens \(the QSA block\).*got 7"):
         main([*argv, "--chunk", "7"])
+
+
+@pytest.mark.parametrize("argv", [["--max-ctx", "1024", "--no-verify"], ["--estimate", "--model", "full", "--quant",
+                                                                          "ud-q4_k_xl", "--devices", "target=139GiB"]])
+def test_a_dtype_no_profile_takes_is_refused_by_plan(argv, capsys):
+    """A profile's dtype is float32 or bfloat16: a plan for float16 would fit an engine that serve cannot build."""
+    with pytest.raises(SystemExit):
+        main([*argv, "--dtype", "float16"])
+    assert "--dtype: invalid choice: 'float16'" in capsys.readouterr().err

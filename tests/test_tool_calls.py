@@ -9,6 +9,8 @@ import re
 
 import pytest
 
+from qwen4exp.server.chat_answer import ChatAnswer
+from qwen4exp.server.chat_prompt import ChatReading
 from qwen4exp.server.tool_calls import (ToolCallStream, check_tool_choice, check_tools, forced_call_prefix,
                                         parse_tool_calls, tool_call_format)
 
@@ -200,6 +202,44 @@ def test_a_forced_prefix_and_the_model_continuation_parse_as_the_named_call(temp
     assert tool_call_format(template) == form
     assert calls_of(forced_call_prefix(form, "get_weather") + continuation) == [("get_weather", {"city": "Lima"})]
     assert forced_call_prefix(form, None) == "<tool_call>\n"
+
+
+def forced_answer(form: str, name: str | None, pieces: list[str]) -> tuple[dict, list[dict]]:
+    """The whole message and the streamed deltas of a model's text `pieces` after the server forced a call."""
+    reading = ChatReading(tools=TOOLS, forced=forced_call_prefix(form, name))
+    streamed = ChatAnswer(reading)
+    deltas = [d for piece in pieces for d in streamed.push(piece)] + streamed.finish()
+    return ChatAnswer(reading).message("".join(pieces)), deltas
+
+
+@pytest.mark.parametrize("form, name", [("xml", None), ("xml", "get_weather"), ("json", "get_weather")])
+@pytest.mark.parametrize("pieces", [[], ["\n"], ["Sorry, I cannot."], ["<fun", "ction=oops"], ["{\"city\": \"Li"]])
+def test_a_forced_call_the_model_does_not_finish_leaves_only_the_models_text(form, name, pieces):
+    """tool_choice "required" or a named function: the call's start is the server's, not the model's; where the model
+    stops at once or writes no call, the content is what the model wrote, whole and streamed."""
+    message, deltas = forced_answer(form, name, pieces)
+    streamed = "".join(d.get("content", "") for d in deltas)
+    assert "tool_calls" not in message and not any("tool_calls" in d for d in deltas)
+    assert streamed == message["content"]
+    assert "<tool_call>" not in streamed and '{"name"' not in streamed
+    assert streamed.strip() == "".join(pieces).strip()
+
+
+@pytest.mark.parametrize("form, name, pieces", [
+    ("xml", None, ["<function=get_", "weather>\n<parameter=city>\nLima\n</parameter>\n</function>\n</tool_call>"]),
+    ("xml", "get_weather", ["<parameter=city>\nLima\n</parameter>\n</function>\n</tool_call>"]),
+    ("json", "get_weather", ['{"city": "Lima"}}', "\n</tool_call>"]),
+])
+def test_a_forced_call_the_model_finishes_is_the_call(form, name, pieces):
+    message, deltas = forced_answer(form, name, pieces)
+    assert message["content"] is None and not any(d.get("content") for d in deltas)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
+        [("get_weather", {"city": "Lima"})]
+
+
+def test_an_unfinished_call_the_model_started_itself_stays_its_content():
+    answer = ChatAnswer(ChatReading(tools=TOOLS))
+    assert answer.message("<tool_call>\n<function=get_weather>")["content"] == "<tool_call>\n<function=get_weather>"
 
 
 def tool(name="f", **function) -> dict:

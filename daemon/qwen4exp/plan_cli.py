@@ -30,8 +30,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       "(org/repo, org/repo:QUANT), or 'tiny' (default)")
     plan.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default); with --estimate the "
                       "target's kind: cuda (the default; ROCm GPUs too) or cpu")
-    plan.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
-                      help="weights and caches dtype (auto: bfloat16 on cuda, float32 on cpu)")
+    plan.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None,
+                      help="weights and caches dtype, as a profile's `dtype` (auto: bfloat16 on cuda, float32 on cpu)")
     plan.add_argument("--slots", type=int, default=None, help="slots, each at the full context (default 4)")
     plan.add_argument("--max-ctx", default=None,
                       help="'auto' fits the context; a number is checked against the budget instead")

@@ -18,8 +18,12 @@ class ChatAnswer:
         self._split = ReasoningSplit(reading.thinking)
         self._calls = ToolCallStream(reading.tools) if reading.tools is not None else None
         self._held: list[dict] = []
-        if self._calls is not None and reading.forced:
-            self._held = self._calls.push(reading.forced)       # the call's start the server wrote: no delta yet
+        # The call's start the server wrote (tool_choice "required" or named) is read as the answer's head; where the
+        # model does not complete the call, that start comes back as content, and is cut from it: the client sees
+        # only what the model wrote.
+        self._forced_left = reading.forced if self._calls is not None else ""
+        if self._forced_left:
+            self._held = self._calls.push(reading.forced)
 
     def push(self, text: str) -> list[dict]:
         """The deltas the next piece of generated text makes certain."""
@@ -57,6 +61,24 @@ class ChatAnswer:
                 out += self._calls.push(text)
         if final and self._calls is not None:
             out += self._calls.finish()
+        if self._forced_left:
+            out = self._without_forced(out)
         if not self.reading.parallel_calls:       # the first call only
             out = [d for d in out if "tool_calls" not in d or d["tool_calls"][0]["index"] == 0]
+        return out
+
+    def _without_forced(self, deltas: list[dict]) -> list[dict]:
+        """`deltas` with the server-written call start taken from the head of their content (a call sent means
+        the start was the model's call's)."""
+        out = []
+        for delta in deltas:
+            if not self._forced_left or "content" not in delta:
+                self._forced_left = "" if "tool_calls" in delta else self._forced_left
+                out.append(delta)
+                continue
+            text, forced = delta["content"], self._forced_left
+            same = next((i for i, (a, b) in enumerate(zip(text, forced)) if a != b), min(len(text), len(forced)))
+            self._forced_left = forced[same:] if same == len(text) else ""
+            if text[same:]:
+                out.append({"content": text[same:]})
         return out
