@@ -320,6 +320,14 @@ def test_a_profile_saved_with_a_byte_order_mark_reads_as_without(etc, tmp_path):
     assert load_settings(profile, env=env_for(etc)).slots == 2
 
 
+@pytest.mark.parametrize("key, shown", [("slots.x", "slots"), ("server.port.x", "server.port")])
+def test_a_table_made_on_the_command_line_is_blamed_on_it(etc, tmp_path, key, shown):
+    """`--set slots.x=1` turns the profile's `slots = 2` into a table: the command line wrote the bad value."""
+    profile = write(tmp_path / "p.toml", 'slots = 2\n[server]\nport = 9001\n')
+    with pytest.raises(ConfigError, match=re.escape(f"command line: {shown} = {{'x': 1}}")):
+        load_settings(profile, overrides=parse_assignments([f"{key}=1"]), env=env_for(etc))
+
+
 def test_a_rule_between_keys_set_in_two_layers_names_both(etc, tmp_path):
     profile = write(tmp_path / "p.toml", 'model = "tiny"\nchunk = 64\n')
     with pytest.raises(ConfigError, match=re.escape(f"profile {profile} (chunk) and command line (max_ctx): chunk: "

@@ -43,6 +43,7 @@ def load_settings(profile: str | Path | None = None, overrides: Mapping[str, Any
     for data, label in layers:
         for loc, value in _leaves(data):
             if value != {} or ".".join(loc) not in known:     # an empty [server] table sets nothing
+                sources.pop(loc, None)                         # the order of `sources` is the layers' order
                 sources[loc] = label(loc)
         merged = _merge(merged, data)
     token = ENV_LAYER_MERGED.set(True)
@@ -105,14 +106,17 @@ def _secret_keys() -> set[str]:
 
 
 def _source_of(sources: Mapping[tuple[str, ...], str], loc: tuple) -> str:
-    """The layer that set `loc`, or the layer that set the table or list it sits in; else the default."""
+    """The last layer that set `loc` or a key inside it (`--set slots.x=1` makes a table of a profile's `slots`; a
+    [devices] table stands where [[devices]] belongs), else the layer that set the table or list it sits in; else
+    the default."""
     parts = tuple(str(p) for p in loc if not isinstance(p, int))
-    for end in range(len(parts), 0, -1):
+    at_or_inside = [label for key, label in sources.items() if parts and key[:len(parts)] == parts]
+    if at_or_inside:
+        return at_or_inside[-1]
+    for end in range(len(parts) - 1, 0, -1):
         if parts[:end] in sources:
             return sources[parts[:end]]
-    # A table where a value or a list belongs ([devices] for [[devices]]): the layer that set keys inside it.
-    inside = [label for key, label in sources.items() if parts and key[:len(parts)] == parts]
-    return inside[-1] if inside else DEFAULT
+    return DEFAULT
 
 
 def _leaves(data: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
