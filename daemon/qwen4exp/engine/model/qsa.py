@@ -81,10 +81,11 @@ class Indexer(nn.Module):
             self._store_chunk(raw_keys, step, state)
         return ops.rotate(ops.rms_norm(q.reshape(n, self.heads, self.dim), self.q_layernorm), step.cos, step.sin)
 
-    def _pool(self, raw: torch.Tensor, starts: torch.Tensor, step) -> torch.Tensor:
-        """Blocks of raw keys [B, ratio, dim] starting at positions `starts` -> their keys [B, dim]."""
+    def _pool(self, raw: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step) -> torch.Tensor:
+        """Blocks of raw keys [B, ratio, dim] -> their keys [B, dim], rotated by `rope` (cos, sin at each block's
+        first position)."""
         pooled = step.ops.rms_norm(raw.float().mean(dim=1).to(raw.dtype), self.k_layernorm)
-        return step.ops.rotate(pooled, step.cos_table[starts], step.sin_table[starts])
+        return step.ops.rotate(pooled, *rope)
 
     def _store_chunk(self, raw_keys: torch.Tensor, step, state: AttentionState) -> None:
         start, end = step.start, step.end
@@ -93,7 +94,8 @@ class Indexer(nn.Module):
         if last > first:
             raw = state.index_keys[first * self.ratio:last * self.ratio].reshape(last - first, self.ratio, self.dim)
             block_starts = torch.arange(first, last, device=raw.device) * self.ratio
-            state.block_keys[first:last] = self._pool(raw, block_starts, step)
+            rope = step.cos_table[block_starts], step.sin_table[block_starts]
+            state.block_keys[first:last] = self._pool(raw, rope, step)
 
     def _store_rows(self, raw_keys: torch.Tensor, step, state: AttentionState) -> None:
         """Each row's key at its position (idle rows write past their length: never read), then, sub-step by
@@ -101,14 +103,23 @@ class Indexer(nn.Module):
         active row completes, if it does: fixed shapes."""
         state.index_keys[step.state_rows, step.positions] = raw_keys
         for view in step.substep_views():
-            positions = view.positions
-            rows = torch.arange(positions.numel(), device=raw_keys.device)
-            block = ((positions + 1) // self.ratio - 1).clamp_min(0)
-            starts = block * self.ratio
-            raw = state.index_keys[rows[:, None], starts[:, None] + torch.arange(self.ratio, device=raw_keys.device)]
-            finished = (view.active & ((positions + 1) % self.ratio == 0))[:, None]
-            state.block_keys[rows, block] = torch.where(finished, self._pool(raw, starts, view),
+            rows, block, columns, finished, rope = view.shared(("indexer blocks", self.ratio),
+                                                               lambda: self._completed_blocks(view))
+            raw = state.index_keys[rows[:, None], columns]
+            state.block_keys[rows, block] = torch.where(finished, self._pool(raw, rope, view),
                                                         state.block_keys[rows, block])
+
+    def _completed_blocks(self, step) -> tuple[torch.Tensor, ...]:
+        """decode: (rows, the block each row's token completes or last completed, that block's positions [N, ratio],
+        whether the row's token completes it [N, 1], cos and sin at its first position): the same in every QSA
+        layer of the step."""
+        positions = step.positions
+        rows = torch.arange(positions.numel(), device=positions.device)
+        block = ((positions + 1) // self.ratio - 1).clamp_min(0)
+        starts = block * self.ratio
+        columns = starts[:, None] + torch.arange(self.ratio, device=positions.device)
+        finished = (step.active & ((positions + 1) % self.ratio == 0))[:, None]
+        return rows, block, columns, finished, (step.cos_table[starts], step.sin_table[starts])
 
     def select_mask(self, q: torch.Tensor, start: int, state: AttentionState) -> torch.Tensor | None:
         """Token selection for a chunk's queries q [n, heads, dim] at positions start..start+n-1 (their keys

@@ -43,6 +43,7 @@ class Step:
     cos: torch.Tensor = field(init=False)   # the rows' own rope values [T, rotary_dim]
     sin: torch.Tensor = field(init=False)
     _views: list | None = field(default=None, init=False, repr=False)
+    _shared: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
         if self.decode:
@@ -56,11 +57,20 @@ class Step:
     def decode(self) -> bool:
         return self.active is not None
 
+    def shared(self, key, make):
+        """make()'s value, made once per step: what every layer of a kind derives alike from the step's positions
+        (the QSA layers' block geometry in decode), so a step with many such layers launches it once."""
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
+
     @property
     def state_rows(self) -> torch.Tensor:
         """decode: each row's row of the state batch (row r belongs to state row r mod N)."""
-        rows = torch.arange(self.token_ids.numel() // self.substeps, device=self.token_ids.device)
-        return rows.repeat(self.substeps) if self.substeps > 1 else rows
+        def make():
+            rows = torch.arange(self.token_ids.numel() // self.substeps, device=self.token_ids.device)
+            return rows.repeat(self.substeps) if self.substeps > 1 else rows
+        return self.shared("state rows", make)
 
     def substep_views(self) -> list["Step"]:
         """decode: each sub-step as a decode step of its own over the same state (one step: itself)."""

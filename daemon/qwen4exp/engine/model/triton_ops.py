@@ -126,7 +126,7 @@ class TritonOps(TorchOps):
             return super().qsa_attention(attn, q, index_q, step, state)
         scale = attn.head_dim ** -0.5
         if step.decode:
-            complete = (step.positions + 1) // indexer.ratio
+            complete = step.shared(("complete blocks", indexer.ratio), lambda: (step.positions + 1) // indexer.ratio)
             keys = qsa_attention.rank_blocks(index_q, state.block_keys, complete)
             index, valid = qsa_select.token_lists(keys, complete, step.positions,
                                                   min(indexer.block_topk, state.block_keys.shape[1]), indexer.ratio,
