@@ -35,7 +35,7 @@ from qwen4exp.engine.model.quant_blocks import split_q8_0
 from qwen4exp.kernels import block_products, row_products
 from qwen4exp.kernels.guard import interpreted
 from qwen4exp.kernels.quant_tiles import dequantize_groups, dequantize_rows
-from qwen4exp.kernels.rounding import add_parts, round_to
+from qwen4exp.kernels.rounding import finish_parts, part_counts, round_to
 
 SHAPES = [(248320, 2560), (16480, 2560), (2560, 6144), (2560, 2560), (324, 10240), (12288, 2560), (1024, 2560),
           (2560, 640)]
@@ -43,7 +43,7 @@ L2_BYTES = 256 << 20
 
 
 @triton.jit(do_not_specialize=["rows", "n"])   # as the shipped kernel
-def _fma_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, row_bytes, part_k, quants_at,
+def _fma_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, counts_ptr, rows, n, k, x_stride, row_bytes, part_k, quants_at,
                 INTERPRETED: tl.constexpr, LAYOUT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     """out[:, block] = x @ w[block].T as float32 multiply-adds: for each tile, x [M, 1, K] x w [1, N, K] summed
@@ -82,10 +82,10 @@ def _fma_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, row_byte
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
     offsets = m[:, None].to(tl.int64) * n + feats[None, :]
     ok = (m < rows)[:, None] & f_ok[None, :]
-    if not SPLIT:
+    if SPLIT == 1:
         tl.store(out_ptr + offsets, round_to(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
     else:
-        tl.store(parts_ptr + part * rows * n + offsets, acc, mask=ok)
+        finish_parts(acc, out_ptr, parts_ptr, counts_ptr, offsets, ok, block, part, rows * n, SPLIT, 1, INTERPRETED)
 
 
 def launch(kernel, x, w, n, k, config: dict, **flags) -> torch.Tensor:
@@ -98,11 +98,9 @@ def launch(kernel, x, w, n, k, config: dict, **flags) -> torch.Tensor:
     parts = torch.empty(parts_n, rows, n, device=x.device, dtype=torch.float32) if parts_n > 1 else out
     block_m = config.pop("BLOCK_M", 16)
     # The quants' offset in a split row is an argument, so Triton sees when it is a multiple of 16 (loads in vectors).
-    kernel[(triton.cdiv(n, config["BLOCK_N"]), parts_n)](x, w, out, parts, rows, n, k, x.stride(0), w.shape[1], part_k,
-                                                          k // 16,
-                                                          BLOCK_M=block_m, SPLIT=parts_n > 1, **flags, **config)
-    if parts_n > 1:
-        add_parts(parts, out)
+    grid = (triton.cdiv(n, config["BLOCK_N"]), parts_n)
+    kernel[grid](x, w, out, parts, part_counts(x.device, grid), rows, n, k, x.stride(0), w.shape[1], part_k, k // 16,
+                 BLOCK_M=block_m, SPLIT=parts_n, **flags, **config)
     return out
 
 

@@ -40,6 +40,16 @@ for label, rows, n, k, split in (("one row", 1, 40, 300, 1), ("four rows, ragged
             "err_in_steps": steps.max().item(),
             "alone_equal": bool(torch.equal(alone, got)),
         }
+# A split sum's last program adds the parts (rounding.finish_parts): again and again the same bits, its counts
+# back at zero after each launch.
+from qwen4exp.kernels import rounding
+x = torch.randn(3, 2100, generator=gen).to(torch.bfloat16)
+w = (torch.randn(20, 2100, generator=gen) * 0.1).to(torch.bfloat16)
+config = row_products.plan(20, 2100) | {"SPLIT_K": 4}
+first = row_products.row_products(x, w, config)
+again = [row_products.row_products(x, w, config) for _ in range(3)]
+results["split_again"] = {"equal": all(torch.equal(first, a) for a in again),
+                          "counts_left": int(rounding.part_counts(torch.device("cpu"), (1, 1)).abs().sum())}
 try:
     row_products.row_products(torch.zeros(2, 8), torch.zeros(4, 9))
     results["bad_shape"] = "accepted"
@@ -91,6 +101,10 @@ def test_bad_shapes_are_refused_and_cpu_tensors_go_to_f_linear(results):
     assert results["cpu_uses_f_linear"]
 
 
+def test_a_split_sum_repeats_bit_for_bit_and_leaves_its_counts_at_zero(results):
+    assert results["split_again"] == {"equal": True, "counts_left": 0}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(248320, 2560), (1793, 2560), (640, 2560), (324, 10240)])
 def test_decode_shapes_within_one_rounding_on_gpu(shape):
@@ -118,3 +132,32 @@ def test_decode_shapes_within_one_rounding_on_gpu(shape):
     # One rounding of a float32 sum; cuBLAS may round more (its split-K partial sums of 4 rows can be bf16).
     assert ours <= 1.0, (ours, cublas)
     assert torch.equal(alone, got), "a row's product must not depend on the rows beside it"
+
+
+@pytest.mark.gpu
+def test_split_sums_finished_by_their_last_program_are_stable_on_gpu():
+    """A weight of few rows and a long input (the hyper-connections' 324 x 10240, split over programs): its last
+    program per block adds the parts, whatever order the programs ran in, so 50 launches and 10 replays of a CUDA
+    graph give the first launch's bits, and the counts the last program reads are back at zero."""
+    import torch
+    from qwen4exp.engine.cuda_graph import capture_graph
+    from qwen4exp.kernels import rounding, row_products
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA/ROCm device")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(4, 10240, generator=gen, device="cuda").bfloat16()
+    w = (torch.randn(324, 10240, generator=gen, device="cuda") * 0.05).bfloat16()
+    assert row_products.plan(324, 10240)["SPLIT_K"] > 1
+    with torch.inference_mode():
+        first = row_products.linear(x, w)
+        launches = [row_products.linear(x, w) for _ in range(50)]
+        out = {}
+        graph, _ = capture_graph(lambda: out.__setitem__("y", row_products.linear(x, w)), x.device)
+        replays = []
+        for _ in range(10):
+            graph.replay()
+            replays.append(out["y"].clone())
+        torch.cuda.synchronize()
+    assert all(torch.equal(first, y) for y in launches + replays)
+    assert int(rounding.part_counts(x.device, (1, 1)).abs().sum()) == 0

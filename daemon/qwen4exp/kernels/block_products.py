@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .guard import interpreted, tl, triton
 from .quant_tiles import LAYOUTS, dequantize_stack, grid_for
-from .rounding import add_parts
+from .rounding import part_counts
 from . import row_products
 from .row_products import MAX_ROWS, fitted, split_input
 
@@ -48,18 +48,19 @@ def linear(x: torch.Tensor, stack) -> torch.Tensor:
 
 if triton is not None:
     from .quant_tiles import weight_tile
-    from .rounding import round_to
+    from .rounding import finish_parts, round_to
 
     # The counts of rows and features are not specialized on (a launch's rows are 1..MAX_ROWS), which keeps the
     # builds ahead of time few; the row length, row bytes and part are, as their divisibility lets loads vectorize.
     # `quants_at` (Q8_0_R's: where a row's quants start, k / 16) is an argument, not computed here, so Triton sees
     # that it is a multiple of 16 and loads the quants in 16-byte vectors through the pipeline.
     @triton.jit(do_not_specialize=["rows", "n"])
-    def _block_rows_kernel(x_ptr, w_ptr, grid_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, row_bytes, part_k,
-                           quants_at, QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _block_rows_kernel(x_ptr, w_ptr, grid_ptr, out_ptr, parts_ptr, counts_ptr, rows, n, k, x_stride, row_bytes,
+                           part_k, quants_at, QTYPE: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-        """out[:, block] = x @ w[block].T over the input's part `program_id(1)` (all of it without SPLIT; with it
-        float32 partial sums go to parts[part]), w's rows dequantized from their blocks."""
+        """out[:, block] = x @ w[block].T over the input's part `program_id(1)` (all of it when SPLIT is 1; else
+        the block's SPLIT programs sum through parts: rounding.finish_parts), w's rows dequantized from their
+        blocks."""
         block = tl.program_id(0)
         part = tl.program_id(1)
         m = tl.arange(0, BLOCK_M)
@@ -91,10 +92,11 @@ if triton is not None:
             acc = tl.dot(x, w, acc)
         offsets = m[:, None].to(tl.int64) * n + feats[None, :]
         ok = m_ok[:, None] & (feats < n)[None, :]
-        if not SPLIT:
+        if SPLIT == 1:
             tl.store(out_ptr + offsets, round_to(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
         else:
-            tl.store(parts_ptr + part * rows * n + offsets, acc, mask=ok)
+            finish_parts(acc, out_ptr, parts_ptr, counts_ptr, offsets, ok, block, part, rows * n, SPLIT, 1,
+                         INTERPRETED)
 
 
 def block_row_products(x: torch.Tensor, blocks: torch.Tensor, qtype: str, config: dict | None = None) -> torch.Tensor:
@@ -113,9 +115,7 @@ def block_row_products(x: torch.Tensor, blocks: torch.Tensor, qtype: str, config
     blocks = blocks if blocks.is_contiguous() else blocks.contiguous()
     # A part holds whole tiles of BLOCK_K (whole 32-value groups, the unit a tile dequantizes).
     config, part_k, parts, grid = split_input(fitted(config or plan(n, k), x.device, x.element_size()), k, out)
-    _block_rows_kernel[grid](x, blocks, grid_for(qtype, blocks), out, parts, rows, n, k, x.stride(0),
-                             blocks.shape[1], part_k, k // 16, QTYPE=qtype, INTERPRETED=interpreted(x),
-                             BLOCK_M=MAX_ROWS, SPLIT=parts is not out, **config)
-    if parts is not out:
-        add_parts(parts, out)
+    _block_rows_kernel[grid](x, blocks, grid_for(qtype, blocks), out, parts, part_counts(x.device, grid), rows, n,
+                             k, x.stride(0), blocks.shape[1], part_k, k // 16, QTYPE=qtype, INTERPRETED=interpreted(x),
+                             BLOCK_M=MAX_ROWS, SPLIT=grid[1], **config)
     return out

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .guard import interpreted, tl, triton
-from .rounding import add_parts
+from .rounding import part_counts
 
 # Decode steps have a few rows, so few programs that they left most SMs idle: each (feature block, stream)
 # pair is a program of its own and a second kernel adds the streams' rounded terms in order (the same float32
@@ -46,7 +46,7 @@ def mix_fits(hc: int, low_rank: int) -> bool:
 
 
 if triton is not None:
-    from .rounding import round_to, rounded
+    from .rounding import finish_parts, round_to, rounded
 
     @triton.jit
     def _norm_kernel(x_ptr, add_ptr, out_ptr, gates_ptr, weight_ptr, new_x_ptr, normed_ptr, eps: tl.constexpr,
@@ -99,14 +99,16 @@ if triton is not None:
 
     # Not specialized on the row count: a prompt of any length runs the binary a start-up chunk built.
     @triton.jit(do_not_specialize=["rows"])
-    def _mix_kernel(low_ptr, low_stride, up_ptr, normed_ptr, mixed_ptr, parts_ptr, inject_ptr, inject_stride,
-                    gates_ptr, rows, H: tl.constexpr, HC: tl.constexpr, R: tl.constexpr, ACT_READY: tl.constexpr,
-                    HAS_GATES: tl.constexpr, SPLIT_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    def _mix_kernel(low_ptr, low_stride, up_ptr, normed_ptr, mixed_ptr, parts_ptr, counts_ptr, inject_ptr,
+                    inject_stride, gates_ptr, rows, H: tl.constexpr, HC: tl.constexpr, R: tl.constexpr,
+                    ACT_READY: tl.constexpr, HAS_GATES: tl.constexpr, SPLIT_STREAMS: tl.constexpr,
+                    INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                    NUM_STAGES: tl.constexpr):
         """mixed[t, h] = mean_j sigmoid(act[t] . up[j*H + h]) * normed[t, j*H + h] for a [BLOCK_T, BLOCK_H]
         tile, act = silu(down / HC) (given as low with ACT_READY, else computed here from the down projection
-        in low). With SPLIT_STREAMS, program_id(2) is one stream j, whose rounded term goes to parts[j] for
-        rounding.add_parts to add (the same float32 sum in the same order). The first feature block also
+        in low). With SPLIT_STREAMS, program_id(2) is one stream j, whose rounded term goes to parts[j], and the
+        tile's last program adds them (rounding.finish_parts: the same float32 sum in the same order). The first
+        feature block also
         writes gates = 2 sigmoid(inject / HC)."""
         block_t = tl.program_id(0)
         block_h = tl.program_id(1)
@@ -124,8 +126,9 @@ if triton is not None:
             first = first & (j == 0)
             term = _stream_product(low_ptr, low_stride, up_ptr, normed_ptr, j, t64, t_ok, h, h_ok, ks, dtype, H, HC,
                                    R, ACT_READY, INTERPRETED, BLOCK_T, BLOCK_H, BLOCK_K, NUM_STAGES)
-            tl.store(parts_ptr + (j * rows + t64[:, None]) * H + h[None, :], round_to(term, dtype, INTERPRETED),
-                     mask=ok)
+            finish_parts(round_to(term, dtype, INTERPRETED), mixed_ptr, parts_ptr, counts_ptr,
+                         t64[:, None] * H + h[None, :], ok, block_t * tl.num_programs(1) + block_h, j, rows * H, HC,
+                         HC, INTERPRETED)
         else:
             acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
             for j in tl.static_range(HC):
@@ -190,11 +193,10 @@ def mix_streams(down: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tenso
     if rows:
         parts = torch.empty(hc, rows, hidden, device=normed.device, dtype=normed.dtype) if split else mixed
         grid = (triton.cdiv(rows, config["BLOCK_T"]), triton.cdiv(hidden, config["BLOCK_H"]), hc if split else 1)
-        _mix_kernel[grid](low, low.stride(0), up_weight, normed.contiguous(), mixed, parts,
+        counts = part_counts(normed.device, (grid[0] * grid[1], grid[2]))
+        _mix_kernel[grid](low, low.stride(0), up_weight, normed.contiguous(), mixed, parts, counts,
                           inject if inject is not None else mixed, inject.stride(0) if inject is not None else 0,
                           gates if gates is not None else mixed, rows, H=hidden, HC=hc, R=low_rank,
                           ACT_READY=act_ready, HAS_GATES=inject is not None, SPLIT_STREAMS=split,
                           INTERPRETED=interpreted(normed), **config)
-        if split:
-            add_parts(parts, mixed, divisor=hc)
     return mixed, gates

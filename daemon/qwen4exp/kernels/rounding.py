@@ -1,11 +1,11 @@
 """Rounding helpers shared by our Triton kernels, so fused kernels round where torch's low-precision ops do, and
-the second kernel of a sum split over programs (`add_parts`)."""
+the end of a sum split over programs (`finish_parts`: the last program of an output block adds the parts)."""
 
 from __future__ import annotations
 
 import torch
 
-from .guard import interpreted, tl, triton
+from .guard import tl, triton
 
 
 if triton is not None:
@@ -44,22 +44,38 @@ if triton is not None:
         return round_to(act * up, dtype, INTERPRETED)
 
     @triton.jit
-    def _add_parts_kernel(parts_ptr, out_ptr, size, PARTS: tl.constexpr, DIVISOR: tl.constexpr,
-                          INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offsets < size
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for part in tl.static_range(PARTS):
-            total += tl.load(parts_ptr + part * size + offsets, mask=ok, other=0.0).to(tl.float32)
-        if DIVISOR != 1:
-            total = total / DIVISOR
-        tl.store(out_ptr + offsets, round_to(total, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+    def finish_parts(part_sum, out_ptr, parts_ptr, counts_ptr, offsets, ok, block, part, size, PARTS: tl.constexpr,
+                     DIVISOR: tl.constexpr, INTERPRETED: tl.constexpr):
+        """A program's part of output block `block` goes to parts[part]; the last of the block's PARTS programs
+        to get here adds them from zero in float32, in part order, divides and rounds once: one fixed sum whatever
+        order the programs ran in, in the product's own launch. The block's count (`counts_ptr`, zero before the
+        launch) is left at zero again."""
+        tl.store(parts_ptr + part * size + offsets, part_sum, mask=ok)
+        tl.debug_barrier()                       # every thread's part is written before the program is counted
+        arrived = tl.atomic_add(counts_ptr + block, 1, sem="acq_rel")
+        if arrived == PARTS - 1:
+            total = tl.zeros(part_sum.shape, dtype=tl.float32)
+            for p in tl.static_range(PARTS):     # from L2, where the other programs' stores went
+                total += tl.load(parts_ptr + p * size + offsets, mask=ok, other=0.0, cache_modifier=".cg").to(
+                    tl.float32)
+            if DIVISOR != 1:
+                total = total / DIVISOR
+            tl.store(out_ptr + offsets, round_to(total, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+            tl.store(counts_ptr + block, 0)
 
 
-def add_parts(parts: torch.Tensor, out: torch.Tensor, divisor: int = 1) -> torch.Tensor:
-    """out = (parts[0] + parts[1] + ...) / divisor for contiguous parts [P, *out.shape]: added in float32 from
-    zero in part order and rounded once to out's dtype, so a sum split over programs ends as one fixed sum."""
-    size = out.numel()
-    _add_parts_kernel[(triton.cdiv(size, 1024),)](parts, out, size, PARTS=parts.shape[0], DIVISOR=divisor,
-                                                  INTERPRETED=interpreted(out), BLOCK=1024)
-    return out
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+COUNTED_BLOCKS = 4096
+
+
+def part_counts(device: torch.device, grid: tuple[int, int]) -> torch.Tensor:
+    """The zeroed int32 counts finish_parts takes for a launch of `grid` (output blocks, parts), one per block,
+    kept per device (every finish_parts launch leaves them at zero, so launches in one stream's order share them,
+    CUDA-graph replays included). A launch of one part does not count."""
+    blocks, parts = grid
+    if parts > 1 and blocks > COUNTED_BLOCKS:
+        raise ValueError(f"a split product of {blocks} output blocks; finish_parts counts at most {COUNTED_BLOCKS}")
+    device = torch.device(device)
+    if device not in _COUNTS:
+        _COUNTS[device] = torch.zeros(COUNTED_BLOCKS, dtype=torch.int32, device=device)
+    return _COUNTS[device]

@@ -6,7 +6,7 @@ rows ran at ~1 TB/s for the mid-sized weights (profile_step), against ~4.5 TB/s 
 each program streams a block of the weight's rows once and multiplies it with every input row on the tensor
 cores (the rows padded to the MMA's 16, which costs nothing a memory-bound kernel notices). Weights with few
 output rows and a long input (the hyper-connections' 324 x 10240) also split the input into parts, each
-summed by a program of its own, and a second kernel adds the parts in a fixed order.
+summed by a program of its own, and the last program of each block adds the parts in a fixed order.
 
 Numerics: float32 sums, rounded once to the output dtype, as F.linear does; only the order inside a sum
 differs. A row's result never reads another row's values and the blocks depend on the weight's shape alone,
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from . import guard
 from .guard import interpreted, tl, triton
-from .rounding import add_parts
+from .rounding import part_counts
 
 MAX_ROWS = 16   # the MMA's row tile; more rows than that go to F.linear
 
@@ -68,14 +68,14 @@ def fitted(config: dict, device: torch.device, itemsize: int) -> dict:
 
 
 if triton is not None:
-    from .rounding import round_to
+    from .rounding import finish_parts, round_to
 
     @triton.jit
-    def _rows_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, rows, n, k, x_stride, w_stride, part_k,
+    def _rows_kernel(x_ptr, w_ptr, out_ptr, parts_ptr, counts_ptr, rows, n, k, x_stride, w_stride, part_k,
                      INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
         """out[:, block] = x @ w[block].T over the input's part `program_id(1)` (all of it when SPLIT_K is 1;
-        else float32 partial sums go to parts[part])."""
+        else the block's SPLIT_K programs sum through parts: rounding.finish_parts)."""
         block = tl.program_id(0)
         part = tl.program_id(1)
         m = tl.arange(0, BLOCK_M)
@@ -100,7 +100,8 @@ if triton is not None:
         if SPLIT_K == 1:
             tl.store(out_ptr + offsets, round_to(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
         else:
-            tl.store(parts_ptr + part * rows * n + offsets, acc, mask=ok)
+            finish_parts(acc, out_ptr, parts_ptr, counts_ptr, offsets, ok, block, part, rows * n, SPLIT_K, 1,
+                         INTERPRETED)
 
 
 def row_products(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor:
@@ -116,10 +117,9 @@ def row_products(x: torch.Tensor, weight: torch.Tensor, config: dict | None = No
         return out
     x = x if x.stride(1) == 1 else x.contiguous()
     config, part_k, parts, grid = split_input(fitted(config or plan(n, k), x.device, x.element_size()), k, out)
-    _rows_kernel[grid](x, weight, out, parts, rows, n, k, x.stride(0), weight.stride(0), part_k,
-                       INTERPRETED=interpreted(x), BLOCK_M=MAX_ROWS, SPLIT_K=grid[1], **config)
-    if parts is not out:
-        add_parts(parts, out)
+    _rows_kernel[grid](x, weight, out, parts, part_counts(x.device, grid), rows, n, k, x.stride(0),
+                       weight.stride(0), part_k, INTERPRETED=interpreted(x), BLOCK_M=MAX_ROWS, SPLIT_K=grid[1],
+                       **config)
     return out
 
 
