@@ -3,6 +3,7 @@ secrets that never print, sizes and durations."""
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -131,6 +132,16 @@ def test_unknown_profile_lists_the_available_ones(etc):
     assert "available: h200, h200-chat, qwen-next-r9700-strix, tiny" in str(err.value)
     with pytest.raises(ConfigError, match="does not exist"):
         find_profile("/nowhere/x.toml")
+
+
+def test_a_mistyped_profile_path_is_refused_not_passed_over(etc, tmp_path):
+    """With QWEN4EXP_PROFILE_PATH pointing nowhere, `h200` would have been the shipped profile, not the operator's."""
+    write(etc / "h200.toml", 'slots = 2\n')
+    for wrong, said in ((tmp_path / "etc-typo", " is not a directory (it does not exist)"),
+                        (etc / "h200.toml", " is not a directory")):
+        with pytest.raises(ConfigError, match=re.escape(f"QWEN4EXP_PROFILE_PATH: {wrong}{said}")):
+            load_settings("h200", env={"QWEN4EXP_PROFILE_PATH": f"{wrong}{os.pathsep}{etc}"})
+    assert load_settings("h200", env=env_for(etc)).slots == 2
 
 
 # --- errors ---

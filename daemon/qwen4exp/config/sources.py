@@ -37,9 +37,16 @@ _POSITION = re.compile(r"\s*\(at line (\d+), column (\d+)\)")
 
 
 def profile_dirs(env: Mapping[str, str] | None = None) -> list[Path]:
+    """Where profile names are looked up, in order. A QWEN4EXP_PROFILE_PATH entry that is not a directory is
+    refused: a mistyped path would otherwise hand a name over to the shipped profile of that name."""
     env = os.environ if env is None else env
     extra = env.get("QWEN4EXP_PROFILE_PATH", "")
     first = [Path(p).expanduser() for p in extra.split(os.pathsep) if p] if extra else [ETC_DIR]
+    if extra:
+        for directory in first:
+            if not directory.is_dir():
+                raise ConfigError(f"QWEN4EXP_PROFILE_PATH: {directory} is not a directory"
+                                  + (" (it does not exist)" if not directory.exists() else ""))
     return first + [SHIPPED_DIR]
 
 
