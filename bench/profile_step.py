@@ -33,7 +33,8 @@ def bench_model(args):
     """The checkpoint's model in bfloat16 on the GPU, else the preset's (`--layers` layers of it) with random
     weights built there, the quantized ones as random blocks with `--quant`."""
     if args.checkpoint:
-        return load_model(args.checkpoint, dtype="bfloat16", device="cuda", progress=False)
+        return load_model(args.checkpoint, dtype="bfloat16", device="cuda", progress=False,
+                          ple_on_host=args.ple == "host")
     return random_model(args.preset, args.layers, torch.bfloat16, "cuda", quant=args.quant,
                         ple_on_host=args.ple == "host")
 
@@ -48,8 +49,8 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--quant", default=None, help="without --checkpoint: a GGUF mix whose quantized weights are "
                         "random blocks (ud-q4_k_xl, q8_0, ...)")
     parser.add_argument("--ple", choices=("device", "host"), default="device",
-                        help="with --quant: the quantized PLE table on the device or in host memory (as the full "
-                        "model's is served on one GPU)")
+                        help="the PLE table on the device or in host memory (as the full model's is served on one "
+                        "GPU)")
 
 
 def submit_busy(engine: Engine, busy: int, prompt: int, tokens: int, limit: int, seed: int) -> list[Request]:

@@ -325,3 +325,9 @@ def test_a_dtype_no_profile_takes_is_refused_by_plan(argv, capsys):
     with pytest.raises(SystemExit):
         main([*argv, "--dtype", "float16"])
     assert "--dtype: invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_plan_takes_a_profiles_dtype_spellings(capsys):
+    """bf16 is bfloat16, as in a profile: the same estimate."""
+    argv = ["--estimate", "--model", "full", "--quant", "ud-q4_k_xl", "--devices", "target=139GiB", "--ple", "host"]
+    assert run_plan(capsys, *argv, "--dtype", "bf16") == run_plan(capsys, *argv, "--dtype", "bfloat16")

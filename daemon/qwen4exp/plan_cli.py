@@ -9,6 +9,11 @@ import sys
 from typing import Any
 
 
+def _dtype_name(text: str) -> str:
+    """A profile's dtype spellings: bf16 and fp32 are bfloat16 and float32."""
+    return {"bf16": "bfloat16", "fp32": "float32"}.get(text.lower(), text.lower())
+
+
 def _headroom(text: str) -> float:
     try:
         value = float(text)
@@ -30,8 +35,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       "(org/repo, org/repo:QUANT), or 'tiny' (default)")
     plan.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default); with --estimate the "
                       "target's kind: cuda (the default; ROCm GPUs too) or cpu")
-    plan.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None,
-                      help="weights and caches dtype, as a profile's `dtype` (auto: bfloat16 on cuda, float32 on cpu)")
+    plan.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None, type=_dtype_name,
+                      help="weights and caches dtype, as a profile's `dtype` (bf16 and fp32 too; auto: bfloat16 on "
+                           "cuda, float32 on cpu)")
     plan.add_argument("--slots", type=int, default=None, help="slots, each at the full context (default 4)")
     plan.add_argument("--max-ctx", default=None,
                       help="'auto' fits the context; a number is checked against the budget instead")

@@ -10,8 +10,8 @@ they were most of its ~850 kernels. Two kernels replace them:
   too. With one group per row it is every other zero-centred RMSNorm of the model (q/k norms).
 * `mix_streams`: the low-rank mixing weights' up-projection on the tensor cores with the sigmoid, the
   weighting of the normed streams and their mean in its epilogue, so the [T, hc*H] weights never exist;
-  and the injection gates. For a decode step's few rows, each stream's term is a program of its own and a
-  small kernel takes the mean.
+  and the injection gates. For a decode step's few rows, each stream's term is a program of its own and the
+  last of a tile's programs takes the mean (rounding.finish_parts).
 
 Numerics follow torch's bf16 ops: sums and products in float32, rounded to the model dtype wherever torch
 would hand a bf16 tensor to the next op (the up-projection's output, the sigmoid, each weighted stream, the
@@ -28,8 +28,8 @@ from .guard import interpreted, tl, triton
 from .rounding import part_counts
 
 # Decode steps have a few rows, so few programs that they left most SMs idle: each (feature block, stream)
-# pair is a program of its own and a second kernel adds the streams' rounded terms in order (the same float32
-# sum). bench/hyper_kernels_bench.py on an H200, 4 rows, weights not in L2: 10.4 us; 32-wide features 12.5 us
+# pair is a program of its own and the tile's last program adds the streams' rounded terms in order (the same
+# float32 sum). bench/hyper_kernels_bench.py on an H200, 4 rows, weights not in L2: 10.4 us; 32-wide features 12.5 us
 # (14.5 with 128-wide rank steps); one program per feature block for all streams (the former default) 16.7 us,
 # pipelined 64-wide rank steps 22.8 us.
 FEW_ROWS = 64

@@ -65,17 +65,21 @@ if triton is not None:
 
 
 _COUNTS: dict[torch.device, torch.Tensor] = {}
-COUNTED_BLOCKS = 4096
+COUNTED_BLOCKS = 16384      # the LM head's blocks of 16 rows (248320 / 16 = 15520) fit: a bench splits it too
 
 
 def part_counts(device: torch.device, grid: tuple[int, int]) -> torch.Tensor:
     """The zeroed int32 counts finish_parts takes for a launch of `grid` (output blocks, parts), one per block,
-    kept per device (every finish_parts launch leaves them at zero, so launches in one stream's order share them,
-    CUDA-graph replays included). A launch of one part does not count."""
+    kept per device: every finish_parts launch leaves them at zero, so the launches of one device share them as
+    long as they run one after another, as the engine's do (one compute stream; CUDA-graph replays in its order).
+    A launch of one part does not count. Made outside a graph capture, which would record the zeroing but not
+    run it."""
     blocks, parts = grid
     if parts > 1 and blocks > COUNTED_BLOCKS:
         raise ValueError(f"a split product of {blocks} output blocks; finish_parts counts at most {COUNTED_BLOCKS}")
     device = torch.device(device)
     if device not in _COUNTS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("finish_parts' counts must be made before a CUDA graph captures their first use")
         _COUNTS[device] = torch.zeros(COUNTED_BLOCKS, dtype=torch.int32, device=device)
     return _COUNTS[device]
