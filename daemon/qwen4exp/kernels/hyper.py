@@ -108,8 +108,7 @@ if triton is not None:
         tile, act = silu(down / HC) (given as low with ACT_READY, else computed here from the down projection
         in low). With SPLIT_STREAMS, program_id(2) is one stream j, whose rounded term goes to parts[j], and the
         tile's last program adds them (rounding.finish_parts: the same float32 sum in the same order). The first
-        feature block also
-        writes gates = 2 sigmoid(inject / HC)."""
+        feature block also writes gates = 2 sigmoid(inject / HC)."""
         block_t = tl.program_id(0)
         block_h = tl.program_id(1)
         dtype = mixed_ptr.dtype.element_ty
