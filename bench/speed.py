@@ -618,9 +618,12 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
     }
 
-    def save() -> None:
+    def save(stage: str) -> None:
+        """Writes what is measured so far and says so, so a run cut short by a time limit still tells how far it
+        got (the table is printed at the end)."""
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(f"[{time.time() - started_at:6.1f} s] {stage}", flush=True)
 
     # 1. Ceilings, before the model is on the device (their buffers are freed again).
     ceilings_started = time.perf_counter()
@@ -634,7 +637,7 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
     bandwidth, flops_per_s = copy["bytes_per_s"], matmul["flops_per_s"]
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
-    save()
+    save("ceilings measured")
 
     # 2. Ready: the model, an engine, one short request served.
     t = time.perf_counter()
@@ -653,7 +656,9 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
     cfg, work = model.config, Work(model)
     limit = cfg.eos_token_id
     result["model"] = {"source": args.checkpoint or f"random {args.preset}", "layers": cfg.num_hidden_layers,
-                       "dtype": args.dtype, "quant": args.quant, "ple": args.ple, **work.summary()}
+                       "dtype": args.dtype, "quant": args.quant, "ple": args.ple, "seconds": model_s,
+                       **work.summary()}
+    save(f"model on the device in {model_s:.1f} s")
 
     fit_s, fitted = 0.0, None
     if args.fit:     # what `max_ctx = "auto"` serves with --slots slots and --chunk (the daemon's own fit)
@@ -672,7 +677,7 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
         release(device)
         fit_s = fitted.seconds
     if args.fit:
-        save()
+        save("fitted")
 
     runs = [n for n in args.prefill if n <= args.max_prefill]
     needed = max([*runs, args.decode_prompt + args.decode_warmup + args.decode_steps + max(args.busy) + 3,
@@ -710,7 +715,7 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
         result["startup"]["memory_after_ready_bytes"] = torch.cuda.memory_allocated(device)
         result["startup"]["peak_until_ready_bytes"] = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)   # from here on: the serving work's own peak
-    save()
+    save(f"ready (engine {engine_s:.1f} s, warm-up {warm_up_s or 0:.1f} s)")
 
     # 3. Decode.
     result["decode"] = []
@@ -718,7 +723,7 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
         if busy > args.slots:
             continue
         result["decode"].append(measure_decode(engine, work, busy, args, limit, device, bandwidth))
-        save()
+        save(f"decode with {busy} busy")
 
     # 4. Prefill.
     result["prefill"] = []
@@ -727,17 +732,17 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
             result["prefill"].append({"tokens": n, "skipped": f"over --max-prefill {args.max_prefill}"})
         else:
             result["prefill"].append(measure_prefill(engine, work, n, limit, device, flops_per_s))
-        save()
+        save(f"prefill of {n}")
     del engine
     release(device)
 
     # 5. Prefix cache.
     result["prefix_cache"] = measure_prefix_cache(model, args, limit, device)
-    save()
+    save("prefix cache")
 
     # 6. Time to first token by prompt length.
     result["first_tokens"] = measure_first_tokens(model, args, limit, device)
-    save()
+    save("first tokens")
 
     # 7. Memory.
     if on_gpu:
@@ -748,7 +753,7 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
                             "device_total_bytes": torch.cuda.get_device_properties(device).total_memory}
     else:
         result["memory"] = {"peak_allocated_bytes": None, "weights_bytes": sum(work.bytes.values())}
-    save()
+    save("memory")
 
     # 8. transformers.
     if args.compare_transformers:
@@ -760,7 +765,7 @@ def main(argv: list[str] | None = None, started_at: float | None = None) -> dict
             result["transformers"] = compare_transformers(model, text_config, args, limit, device, dtype, result)
         except Exception as err:  # noqa: BLE001 - our figures are complete and saved; record why this part failed
             result["transformers"] = {"error": f"{type(err).__name__}: {err}"[:1000]}
-        save()
+        save("transformers")
     del model
     release(device)
     print(table(result))
