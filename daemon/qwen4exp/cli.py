@@ -71,11 +71,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine = Engine.from_config(model, config, context=context, tokenizer=tokenizer)
     except ValueError as err:
         raise SystemExit(f"error: {err}") from None
-    except (torch.OutOfMemoryError, MemoryError) as err:        # the slots' states allocated for the context
-        raise SystemExit(f"error: {config.slots} slot(s) of {context} positions do not fit in memory "
-                         f"({str(err).splitlines()[0]}); lower the max tokens or --slots") from None
-    except RuntimeError as err:       # the CPU allocator's refusal is a RuntimeError
-        if "can't allocate memory" not in str(err):
+    except (MemoryError, RuntimeError) as err:     # the slots' states allocated for the context
+        # A GPU's refusal is torch.OutOfMemoryError; the CPU allocator's a plain RuntimeError saying so.
+        if not isinstance(err, (torch.OutOfMemoryError, MemoryError)) and "can't allocate memory" not in str(err):
             raise
         raise SystemExit(f"error: {config.slots} slot(s) of {context} positions do not fit in memory "
                          f"({str(err).splitlines()[0]}); lower the max tokens or --slots") from None

@@ -7,6 +7,8 @@ answer's deltas join to the message a whole answer gets.
 
 from __future__ import annotations
 
+import os
+
 from .chat_prompt import ChatReading
 from .reasoning import REASONING, ReasoningSplit
 from .tool_calls import ToolCallStream
@@ -72,13 +74,14 @@ class ChatAnswer:
         the start was the model's call's)."""
         out = []
         for delta in deltas:
+            if "tool_calls" in delta:
+                self._forced_left = ""
             if not self._forced_left or "content" not in delta:
-                self._forced_left = "" if "tool_calls" in delta else self._forced_left
                 out.append(delta)
                 continue
-            text, forced = delta["content"], self._forced_left
-            same = next((i for i, (a, b) in enumerate(zip(text, forced)) if a != b), min(len(text), len(forced)))
-            self._forced_left = forced[same:] if same == len(text) else ""
+            text = delta["content"]
+            same = len(os.path.commonprefix([text, self._forced_left]))
+            self._forced_left = self._forced_left[same:] if same == len(text) else ""
             if text[same:]:
                 out.append({"content": text[same:]})
         return out
