@@ -21,7 +21,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor, step) -> torch.Tensor:
         """The output given gate_proj(x) and up_proj(x)."""
-        return step.ops.linear(F.silu(gate) * up, self.down_proj.weight, step)
+        return step.ops.linear(step.ops.gate_product(up, gate, silu=True), self.down_proj.weight, step)
 
 
 class Router(nn.Module):

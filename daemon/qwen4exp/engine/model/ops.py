@@ -88,6 +88,12 @@ class TorchOps:
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, norm) -> torch.Tensor:
         return norm(x, gate)
 
+    def gate_product(self, x: torch.Tensor, gate: torch.Tensor, silu: bool) -> torch.Tensor:
+        """act(gate) * x for x, gate [rows, ...] -> [rows, the rest flattened], act silu (a SwiGLU's input to its
+        down projection) or sigmoid (QSA's output gate)."""
+        gate = gate.reshape(gate.shape[0], -1)
+        return (F.silu(gate) if silu else torch.sigmoid(gate)) * x.reshape(x.shape[0], -1)
+
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rotary(x, cos, sin)
 

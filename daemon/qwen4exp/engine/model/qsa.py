@@ -221,7 +221,8 @@ class QSAAttention(nn.Module):
             state.keys[:, step.start:step.end] = k.transpose(0, 1)
             state.values[:, step.start:step.end] = v.transpose(0, 1)
         out = ops.qsa_attention(self, q, index_q, step, state)
-        return ops.linear(out * torch.sigmoid(gate.reshape(n, -1)), self.o_proj.weight, step)
+        gated = ops.gate_product(out.unflatten(-1, (self.heads, self.head_dim)), gate, silu=False)
+        return ops.linear(gated, self.o_proj.weight, step)
 
 
 def attend_chunk(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, selected: torch.Tensor | None,

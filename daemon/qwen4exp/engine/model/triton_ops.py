@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from ...kernels import conv as conv_kernels
 from ...kernels import delta_rule as delta_rule_kernels
+from ...kernels import gate_product as gate_product_kernels
 from ...kernels import block_products, gated_norm, hyper, moe, qsa_attention, qsa_select, quant_tiles
 from ...kernels import rope, router
 from ...kernels import row_products
@@ -56,6 +57,11 @@ class TritonOps(TorchOps):
 
     def gated_rms_norm(self, x, gate, norm):
         return gated_norm.gated_norm(x, gate, norm.weight, norm.eps, norm.silu)
+
+    def gate_product(self, x, gate, silu):
+        if not gate_product_kernels.fits(x, gate):
+            return super().gate_product(x, gate, silu)
+        return gate_product_kernels.gate_product(x, gate, silu)
 
     def rotate(self, x, cos, sin):
         return rope.rotate(x, cos, sin) if rope.fits(x, cos) else super().rotate(x, cos, sin)
