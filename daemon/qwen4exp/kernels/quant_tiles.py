@@ -68,6 +68,14 @@ if triton is not None:
         return tl.load(ptr, mask=mask, other=0).to(tl.int32)
 
     @triton.jit
+    def _exact_float(q, offset: tl.constexpr):
+        """float32(q - offset), exactly, for an int32 0 <= q < 2^22: q as the low mantissa bits of 2^23 (an integer
+        OR), then 2^23 + offset subtracted (a float add of exact operands, so exact). The K-quants' values and scale
+        fields take this instead of a conversion, which NVIDIA GPUs run on the slower multi-function unit for the
+        16-bit words the compiler forms of them (I2F.U16 in sm_90's SASS of the decode gate/up product)."""
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+
+    @triton.jit
     def _f16(ptr, mask):
         """The little-endian float16 at `ptr` (2 bytes, any alignment) as float32."""
         low = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
@@ -114,7 +122,7 @@ if triton is not None:
         first = j < 4
         scale = tl.where(first, low & 63, (high & 15) | ((low >> 6) << 4))
         minimum = tl.where(first, mid & 63, (high >> 4) | ((mid >> 6) << 4))
-        return scale.to(tl.float32), minimum.to(tl.float32)
+        return _exact_float(scale, 0), _exact_float(minimum, 0)
 
     @triton.jit
     def dequantize_groups(row, col, lane, mask, grid_ptr, QTYPE: tl.constexpr):
@@ -144,14 +152,14 @@ if triton is not None:
             j = (col % 256) // 32
             scale, minimum = _k_scale_min(base + 4, j, mask)
             q = (_u8(base + 16 + (j >> 1) * 32 + lane, mask) >> ((j & 1) * 4)) & 15
-            return (_f16(base, mask) * scale) * q.to(tl.float32) - _f16(base + 2, mask) * minimum
+            return (_f16(base, mask) * scale) * _exact_float(q, 0) - _f16(base + 2, mask) * minimum
         elif QTYPE == "Q5_K":
             base = row + (col // 256) * 176
             j = (col % 256) // 32
             scale, minimum = _k_scale_min(base + 4, j, mask)
             low = (_u8(base + 48 + (j >> 1) * 32 + lane, mask) >> ((j & 1) * 4)) & 15
             q = low | (((_u8(base + 16 + lane, mask) >> j) & 1) << 4)
-            return (_f16(base, mask) * scale) * q.to(tl.float32) - _f16(base + 2, mask) * minimum
+            return (_f16(base, mask) * scale) * _exact_float(q, 0) - _f16(base + 2, mask) * minimum
         elif QTYPE == "Q6_K":
             # 256 values in two halves of 128, each four quarters of 32 (j = half * 4 + quarter); 16-value scales
             base = row + (col // 256) * 210
@@ -160,7 +168,7 @@ if triton is not None:
             quarter = j & 3
             low = (_u8(base + half * 64 + (quarter & 1) * 32 + lane, mask) >> ((quarter >> 1) * 4)) & 15
             high = (_u8(base + 128 + half * 32 + lane, mask) >> (quarter * 2)) & 3
-            q = (low | (high << 4)).to(tl.float32) - 32
+            q = _exact_float(low | (high << 4), 32)
             scale = tl.load(base + 192 + j * 2 + (lane >> 4), mask=mask, other=0).to(tl.int8, bitcast=True)
             return (_f16(base + 208, mask) * scale.to(tl.float32)) * q
         elif QTYPE == "IQ4_NL":
@@ -178,7 +186,7 @@ if triton is not None:
             j = (col % 256) // 32
             high = (_u8(base + 2, mask) | (_u8(base + 3, mask) << 8)) >> (j * 2) & 3
             low = (_u8(base + 4 + (j >> 1), mask) >> ((j & 1) * 4)) & 15
-            scale = _f16(base, mask) * ((low | (high << 4)) - 32).to(tl.float32)
+            scale = _f16(base, mask) * _exact_float(low | (high << 4), 32)
             return scale * tl.load(grid_ptr + _nibble(base + 8 + j * 16, lane, mask))
 
     @triton.jit
