@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .guard import tl, triton
+from .guard import stages_for, tl, triton
 from .quant_tiles import grid_for, row_form
 
 # Decode: BLOCK_N weight rows a program, GROUPS 32-value groups a step along the row. Down by quant_tiles.row_form:
@@ -46,7 +46,8 @@ DENSE_FROM = 64
 
 if triton is not None:
     from .expert_groups import tile_of, tile_pairs
-    from .quant_tiles import LANES, dequantize_groups, dequantize_halves, halves_columns, weight_tile
+    from .quant_tiles import (LANES, dequantize_groups, dequantize_halves, halves_columns, halves_tile,
+                              q4k_quarter_tile, weight_tile)
     from .rounding import round_to, silu_mul
 
     @triton.jit
@@ -151,12 +152,46 @@ if triton is not None:
         h = silu_mul(acc_gate, acc_up, dtype, INTERPRETED)
         tl.store(h_ptr + rows[:, None].to(tl.int64) * inter + feat[None, :], h, mask=(feat < inter)[None, :])
 
+    @triton.jit(do_not_specialize=["num_pairs"])   # as the kernel above
+    def _grouped_gate_up_q4k_kernel(x_ptr, pair_of_row_ptr, expert_of_block_ptr, w_ptr, h_ptr, num_pairs, num_experts,
+                                    hidden, inter, top_k, row_bytes, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """_grouped_gate_up_blocks_kernel over Q4_K: the same 64-value steps in the same order, walked as the four
+        quarters of each 256-value block, so a tile's bytes sit at its block's start plus constants and load as
+        vectors (quant_tiles.q4k_quarter_tile)."""
+        tl.static_assert(BLOCK_K == 64, "a step is a quarter of a Q4_K block")
+        block_m, expert, feat = tile_of(tl.program_id(0), inter, expert_of_block_ptr, BLOCK_N)
+        if expert >= num_experts:
+            return
+        dtype = h_ptr.dtype.element_ty
+        rows, pair, pair_ok = tile_pairs(block_m, pair_of_row_ptr, num_pairs, BLOCK_M)
+        token = tl.where(pair_ok, pair // top_k, 0).to(tl.int64)
+        feat_ok = (feat < inter)[None, :]
+        gate_rows = w_ptr + ((expert * 2 * inter + feat) * row_bytes)[None, :]
+        up_rows = gate_rows + inter * row_bytes
+        x_ptrs = x_ptr + token[:, None] * hidden + tl.arange(0, BLOCK_K)[None, :]
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for block in range(0, hidden // 256):
+            for c in tl.static_range(4):
+                a = tl.load(x_ptrs, mask=pair_ok[:, None], other=0.0)
+                gate = q4k_quarter_tile(gate_rows, block, c, feat_ok, dtype, INTERPRETED, BLOCK_N)
+                up = q4k_quarter_tile(up_rows, block, c, feat_ok, dtype, INTERPRETED, BLOCK_N)
+                if INTERPRETED:
+                    a, gate, up = a.to(tl.float32), gate.to(tl.float32), up.to(tl.float32)
+                acc_gate = tl.dot(a, gate, acc_gate)
+                acc_up = tl.dot(a, up, acc_up)
+                x_ptrs += BLOCK_K
+        h = silu_mul(acc_gate, acc_up, dtype, INTERPRETED)
+        tl.store(h_ptr + rows[:, None].to(tl.int64) * inter + feat[None, :], h, mask=(feat < inter)[None, :])
+
     @triton.jit(do_not_specialize=["num_pairs"])   # a prompt's length changes it: one binary for all
     def _grouped_down_blocks_kernel(h_ptr, pair_of_row_ptr, expert_of_block_ptr, weights_ptr, w_ptr, grid_ptr, y_ptr,
                                     num_pairs, num_experts, hidden, inter, row_bytes, QTYPE: tl.constexpr,
-                                    INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                    BLOCK_K: tl.constexpr):
-        """moe.py's grouped down GEMM with each weight tile dequantized from the expert's blocks."""
+                                    INTERPRETED: tl.constexpr, FORM: tl.constexpr, BLOCK_M: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """moe.py's grouped down GEMM with each weight tile dequantized from the expert's blocks: a type of HALVES
+        as two runs of 16 values a block (FORM "halves", quant_tiles.halves_tile), the others a byte a value."""
         block_m, expert, feat = tile_of(tl.program_id(0), hidden, expert_of_block_ptr, BLOCK_N)
         if expert >= num_experts:
             return
@@ -169,8 +204,12 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, inter, BLOCK_K):
             a = tl.load(h_ptrs, mask=(ks < inter - start)[None, :], other=0.0)
-            w = weight_tile(w_rows, start, inter, feat_ok[None, None, :], grid_ptr, dtype, QTYPE, INTERPRETED,
-                            BLOCK_K, BLOCK_N)
+            if FORM == "halves":
+                w = halves_tile(w_rows, start, inter, feat_ok[None, None, :], grid_ptr, dtype, QTYPE, INTERPRETED,
+                                BLOCK_K, BLOCK_N)
+            else:
+                w = weight_tile(w_rows, start, inter, feat_ok[None, None, :], grid_ptr, dtype, QTYPE, INTERPRETED,
+                                BLOCK_K, BLOCK_N)
             if INTERPRETED:
                 a, w = a.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(a, w, acc)
@@ -226,8 +265,24 @@ def grouped_gate_up(x, pair_of_row, expert_of_block, stack, h, pairs: int, top_k
     blocks, grid_table, row_bytes = _operands(stack)
     inter = h.shape[1]
     grid = (expert_of_block.numel() * triton.cdiv(inter, config["BLOCK_N"]),)
+    if _quarters_fit(stack, config):
+        # A step of this kernel is four of the generic kernel's: each pipeline stage buffers four x tiles and gate's
+        # and up's quant bytes (32 a row) and scale words (16 bytes a row) for each. Two stages run loads as far
+        # ahead as the generic kernel's four, and leave an H100's or H200's SM room for two programs.
+        stage = 4 * (common["BLOCK_M"] * 64 * x.element_size() + 2 * config["BLOCK_N"] * (32 + 16))
+        config = config | {"num_stages": stages_for(x.device, stage, min(2, config["num_stages"]))}
+        _grouped_gate_up_q4k_kernel[grid](x, pair_of_row, expert_of_block, blocks, h, pairs, blocks.shape[0],
+                                          x.shape[1], inter, top_k, row_bytes, **common, **config)
+        return
     _grouped_gate_up_blocks_kernel[grid](x, pair_of_row, expert_of_block, blocks, grid_table, h, pairs, blocks.shape[0],
                                   x.shape[1], inter, top_k, row_bytes, QTYPE=stack.qtype, **common, **config)
+
+
+def _quarters_fit(stack, config: dict) -> bool:
+    """Whether a grouped gate/up over `stack` runs the Q4_K quarter-block kernel: Q4_K rows of whole 256-value blocks
+    in 64-value steps, its words 4-byte aligned. Shapes and addresses only."""
+    return (stack.qtype == "Q4_K" and config["BLOCK_K"] == 64 and stack.blocks.data_ptr() % 4 == 0
+            and stack.blocks.shape[-1] % 4 == 0)
 
 
 def grouped_down(h, pair_of_row, expert_of_block, weights, stack, y, pairs: int, config: dict,
@@ -237,5 +292,12 @@ def grouped_down(h, pair_of_row, expert_of_block, weights, stack, y, pairs: int,
     hidden = y.shape[1]
     grid = (expert_of_block.numel() * triton.cdiv(hidden, config["BLOCK_N"]),)
     _grouped_down_blocks_kernel[grid](h, pair_of_row, expert_of_block, weights, blocks, grid_table, y, pairs,
-                               blocks.shape[0], hidden, h.shape[1], row_bytes, QTYPE=stack.qtype, **common,
-                               **config)
+                               blocks.shape[0], hidden, h.shape[1], row_bytes, QTYPE=stack.qtype,
+                               FORM=_grouped_down_form(stack.qtype), **common, **config)
+
+
+def _grouped_down_form(qtype: str) -> str:
+    """How the grouped down GEMM reads a tile of `qtype`: as the decode down product reads rows (quant_tiles.row_form),
+    but IQ4_NL a lane a value: its halves tile, whose levels are gathered from a table, asks a Strix Halo (gfx1151)
+    for more LDS than a workgroup has (66 KiB at 16-pair row blocks, tests/test_kernel_builds.py)."""
+    return "groups" if qtype == "IQ4_NL" else row_form(qtype)

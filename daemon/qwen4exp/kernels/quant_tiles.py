@@ -259,6 +259,54 @@ if triton is not None:
             return block * 32 + i, block * 32 + i + 16
 
     @triton.jit
+    def halves_tile(rows, start, limit, feat_ok, grid_ptr, dtype: tl.constexpr, QTYPE: tl.constexpr,
+                    INTERPRETED: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """weight_tile's tile for a type of HALVES, each 32-value block read as dequantize_halves' two runs of 16 (whole
+        runs of quant bytes a load) and the runs put back in column order: the same values in the same places."""
+        block = start // 32 + tl.arange(0, BLOCK_K // 32)[:, None, None]
+        i = tl.arange(0, 16)[None, :, None]
+        low, high = dequantize_halves(rows, block, i, (block < limit // 32) & feat_ok, grid_ptr, QTYPE)
+        if QTYPE == "Q8_0":
+            values = tl.permute(tl.join(low, high), (0, 1, 3, 2))    # [blocks, 16, 2, N]: column 2i + which
+        else:
+            values = tl.permute(tl.join(low, high), (0, 3, 1, 2))    # [blocks, 2, 16, N]: column 16 which + i
+        return round_to(tl.reshape(values, [BLOCK_K, BLOCK_N]), dtype, INTERPRETED)
+
+    @triton.jit
+    def _half_of(bits):
+        """float32 of the float16 in the low 16 bits of the uint32 `bits`."""
+        return (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def q4k_quarter_tile(rows, block, c: tl.constexpr, feat_ok, dtype: tl.constexpr, INTERPRETED: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+        """weight_tile's [64, BLOCK_N] tile of Q4_K rows (`rows` [1, BLOCK_N] byte pointers, 4-byte aligned) at values
+        256 block + 64c ..: its 32 quant bytes at the block's start plus constants (low nibbles its first 32 values,
+        high the next), the block's scale fields as 32-bit words; each value dequantize_groups' bit for bit."""
+        base = rows + block * 144
+        head = base.to(tl.pointer_type(tl.uint32))
+        ends = tl.load(head, mask=feat_ok, other=0)
+        low = tl.load(head + 1, mask=feat_ok, other=0)
+        mid = tl.load(head + 2, mask=feat_ok, other=0)
+        high = tl.load(head + 3, mask=feat_ok, other=0)
+        d, dmin = _half_of(ends), _half_of(ends >> 16)
+        shift = (2 * c % 4) * 8                  # sub-blocks 2c and 2c + 1: bytes of the three scale words
+        lo, mi, hi = (low >> shift) & 255, (mid >> shift) & 255, (high >> shift) & 255
+        lo2, mi2, hi2 = (low >> (shift + 8)) & 255, (mid >> (shift + 8)) & 255, (high >> (shift + 8)) & 255
+        if c < 2:                                # sub-blocks 0..3: the low 6 bits of the first eight bytes
+            scale_lo, min_lo, scale_hi, min_hi = lo & 63, mi & 63, lo2 & 63, mi2 & 63
+        else:                                    # 4..7: the last four bytes and the top bits of the first eight
+            scale_lo, min_lo = (hi & 15) | ((lo >> 6) << 4), (hi >> 4) | ((mi >> 6) << 4)
+            scale_hi, min_hi = (hi2 & 15) | ((lo2 >> 6) << 4), (hi2 >> 4) | ((mi2 >> 6) << 4)
+        quants = tl.load(base + 16 + c * 32 + tl.arange(0, 32)[:, None], mask=feat_ok, other=0).to(tl.int32)
+        w_lo = (d * _exact_float(scale_lo.to(tl.int32), 0)) * _exact_float(quants & 15, 0) \
+            - dmin * _exact_float(min_lo.to(tl.int32), 0)
+        w_hi = (d * _exact_float(scale_hi.to(tl.int32), 0)) * _exact_float(quants >> 4, 0) \
+            - dmin * _exact_float(min_hi.to(tl.int32), 0)
+        values = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (2, 0, 1)), [64, BLOCK_N])
+        return round_to(values, dtype, INTERPRETED)
+
+    @triton.jit
     def split_q8_0_groups(row, quants_at, col, lane, mask):
         """Q8_0_R's float32 values of 32-value groups (dequantize_groups' arguments; `quants_at`: where a row's quants
         start, its values / 16): d x q, as Q8_0's."""
