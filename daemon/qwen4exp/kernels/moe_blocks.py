@@ -5,15 +5,17 @@ A stack kept quantized (engine/model/quantized.py's QuantizedStack: `blocks` uin
 dequantizes them in registers (quant_tiles.py), in tiles of whole blocks:
 
 * decode (`rows_gate_up`, `rows_down`): a (row, slot) pair's matrix-vector products, as moe.py's dense ones:
-  tiles of BLOCK_N weight rows against the row's values, float32 sums, fixed grids (CUDA-graph safe); gate and up
+  tiles of BLOCK_N weight rows against the row's values, float32 sums, fixed grids (CUDA-graph safe); gate/up over
+  Q4_K a 256-value block a step, gate and up in one loop (its bytes as vectors), over the other types gate and up
   each in a pass of their own, GROUPS 32-value groups a step, a byte a value; down over a GGML 32-value type (the
   down types of llama.cpp's mixes, whose 640-value rows hold no whole 256-value block) GROUPS blocks a step, each
   read as two runs of 16 values in whole runs of bytes (quant_tiles.row_form), over the others as gate/up;
 * prefill (`grouped_gate_up`, `grouped_down`): the grouped GEMMs over pairs sorted by expert, each weight tile
-  dequantized, rounded to x's dtype and fed to the tensor cores as the dense kernels' tiles are; a chunk whose
-  experts get many pairs each runs the dense kernels on the stack dequantized whole instead (`dequantized_for`:
-  dequantizing a tile once per row block of its expert costs more than streaming the dense twin once); a short
-  one runs smaller row blocks (moe.GroupedForm).
+  read as decode reads rows (down over a 32-value type in halves, Q4_K gate/up a quarter block a step, the others a
+  byte a value), dequantized, rounded to x's dtype and fed to the tensor cores as the dense kernels' tiles are; a
+  chunk whose experts get many pairs each runs the dense kernels on the stack dequantized whole instead
+  (`dequantized_for`: dequantizing a tile once per row block of its expert costs more than streaming the dense twin
+  once); a short one runs smaller row blocks (moe.GroupedForm).
 
 Numerics: the decode kernels multiply by the dequantized weights in float32 (llama.cpp's values exactly, not
 rounded to x's dtype, which would add instructions to every weight of a memory-bound step); the prefill GEMMs
@@ -31,10 +33,13 @@ from .quant_tiles import grid_for, row_form
 
 # Decode: BLOCK_N weight rows a program, GROUPS 32-value groups a step along the row. Down by quant_tiles.row_form:
 # the halves form's tile is the fastest or within 2% of it at the full model's shapes with 1 and 4 busy rows, for
-# Q5_1 and Q8_0 (bench/moe_rows_variants.py --sweep on an H100). Gate/up reads a byte a value for every type: the
-# halves form took longer over Q8_0 with one busy row, and a Q4_K block a step as written here 2.6-3x as long
-# (docs/PERFORMANCE.md).
+# Q5_1 and Q8_0 (bench/moe_rows_variants.py --sweep on an H100). Gate/up reads a byte a value but over Q4_K (below):
+# the halves form took longer over Q8_0 with one busy row (docs/PERFORMANCE.md).
 ROWS_GATE_UP = dict(BLOCK_N=8, GROUPS=16, num_warps=4)
+# Gate/up over Q4_K: a 256-value block a step, gate and up in one loop (bench/moe_rows_variants.py's `q4k combined`,
+# 8 rows a program and 4 warps: 22.4 us against the byte form's 27.2 with one busy slot, 63.6 against 75.6 with 4, on
+# an H100; docs/PERFORMANCE.md).
+ROWS_GATE_UP_Q4K = dict(BLOCK_N=8, num_warps=4)
 ROWS_DOWN = {"halves": dict(BLOCK_N=32, GROUPS=4, num_warps=4), "groups": dict(BLOCK_N=16, GROUPS=4, num_warps=4)}
 # Prefill: from this many pairs per expert on average (a 3277-token chunk of the full model: 512 experts, top-10),
 # a quantized stack is dequantized whole for the chunk (dequantized_for). Below it the GEMMs dequantize their
@@ -47,7 +52,7 @@ DENSE_FROM = 64
 if triton is not None:
     from .expert_groups import tile_of, tile_pairs
     from .quant_tiles import (LANES, dequantize_groups, dequantize_halves, halves_columns, halves_tile,
-                              q4k_quarter_tile, weight_tile)
+                              q4k_block_halves, q4k_quarter_tile, weight_tile)
     from .rounding import round_to, silu_mul
 
     @triton.jit
@@ -100,6 +105,39 @@ if triton is not None:
                            BLOCK_N)
         h = silu_mul(gate, up, h_ptr.dtype.element_ty, INTERPRETED)
         tl.store(h_ptr + pair.to(tl.int64) * inter + feat, h, mask=feat < inter)
+
+    @triton.jit(do_not_specialize=["top_k"])   # as the kernel above
+    def _rows_gate_up_q4k_kernel(x_ptr, ids_ptr, active_ptr, w_ptr, h_ptr, hidden, inter, top_k, row_bytes,
+                                 INTERPRETED: tl.constexpr, HAS_ACTIVE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """_rows_gate_up_blocks_kernel over Q4_K: a 256-value block of BLOCK_N gate rows and of their up rows a step,
+        both in one loop, each block's 128 quant bytes as [4, 32] runs and its scale fields as 32-bit words."""
+        pair = tl.program_id(0)
+        row = pair // top_k
+        if HAS_ACTIVE:
+            if tl.load(active_ptr + row) == 0:
+                return
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        feat = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = feat < inter
+        gate_rows = w_ptr + (expert * 2 * inter + feat) * row_bytes
+        up_rows = gate_rows + inter * row_bytes
+        quarter = tl.arange(0, 4)[None, :, None]
+        lane = tl.arange(0, LANES)[None, None, :]
+        x_row = x_ptr + row.to(tl.int64) * hidden
+        acc_gate = tl.zeros([BLOCK_N, 4, LANES], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, 4, LANES], dtype=tl.float32)
+        for block in range(0, hidden // 256):
+            x_lo = tl.load(x_row + block * 256 + quarter * 64 + lane).to(tl.float32)       # sub-blocks 0, 2, 4, 6
+            x_hi = tl.load(x_row + block * 256 + quarter * 64 + 32 + lane).to(tl.float32)  # 1, 3, 5, 7
+            g_lo, g_hi = q4k_block_halves(gate_rows, block * 144, lane, ok)
+            u_lo, u_hi = q4k_block_halves(up_rows, block * 144, lane, ok)
+            acc_gate += g_lo * x_lo
+            acc_gate += g_hi * x_hi
+            acc_up += u_lo * x_lo
+            acc_up += u_hi * x_hi
+        h = silu_mul(tl.sum(tl.sum(acc_gate, axis=2), axis=1), tl.sum(tl.sum(acc_up, axis=2), axis=1),
+                     h_ptr.dtype.element_ty, INTERPRETED)
+        tl.store(h_ptr + pair.to(tl.int64) * inter + feat, h, mask=ok)
 
     @triton.jit(do_not_specialize=["top_k"])   # as the gate/up kernel's
     def _rows_down_blocks_kernel(h_ptr, ids_ptr, weights_ptr, active_ptr, w_ptr, grid_ptr, y_ptr, hidden, inter, top_k,
@@ -234,9 +272,20 @@ def rows_gate_up(x, ids, flags, stack, h, top_k: int, common: dict) -> None:
     """moe.py's decode gate/up launch for a quantized [E, 2I, H] stack."""
     blocks, grid_table, row_bytes = _operands(stack)
     pairs, inter = h.shape
+    if _q4k_rows_fit(stack):
+        grid = (pairs, triton.cdiv(inter, ROWS_GATE_UP_Q4K["BLOCK_N"]))
+        _rows_gate_up_q4k_kernel[grid](x, ids, flags, blocks, h, x.shape[1], inter, top_k, row_bytes, **common,
+                                       **ROWS_GATE_UP_Q4K)
+        return
     grid = (pairs, triton.cdiv(inter, ROWS_GATE_UP["BLOCK_N"]))
     _rows_gate_up_blocks_kernel[grid](x, ids, flags, blocks, grid_table, h, x.shape[1], inter, top_k, row_bytes,
                                       QTYPE=stack.qtype, FORM="groups", **common, **ROWS_GATE_UP)
+
+
+def _q4k_rows_fit(stack) -> bool:
+    """Whether a decode gate/up over `stack` runs the Q4_K block-a-step kernel: rows of whole 256-value Q4_K blocks
+    whose 32-bit words are 4-byte aligned. Shapes and addresses only."""
+    return stack.qtype == "Q4_K" and stack.blocks.data_ptr() % 4 == 0 and stack.blocks.shape[-1] % 4 == 0
 
 
 def rows_down(h, ids, weights, flags, stack, y, top_k: int, common: dict) -> None:

@@ -278,33 +278,59 @@ if triton is not None:
         return (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _q4k_head(base, mask):
+        """(d, dmin, the three little-endian words of the 12 scale bytes) of the Q4_K blocks at the 4-byte aligned
+        byte pointers `base`."""
+        head = base.to(tl.pointer_type(tl.uint32))
+        ends = tl.load(head, mask=mask, other=0)
+        return (_half_of(ends), _half_of(ends >> 16), tl.load(head + 1, mask=mask, other=0),
+                tl.load(head + 2, mask=mask, other=0), tl.load(head + 3, mask=mask, other=0))
+
+    @triton.jit
+    def _k_scale_min_words(low, mid, high, j):
+        """_k_scale_min's (scale, min) of sub-block j (an int32 tensor) from the scale bytes as three 32-bit words. The
+        words' fields convert in one ALU instruction each (sm_90: I2FP), not through 16-bit values as the bytes'
+        do, so the plain conversion stays (as in the forms bench/moe_rows_variants.py timed)."""
+        shift = ((j & 3) * 8).to(tl.uint32)
+        lo, mi, hi = (low >> shift) & 255, (mid >> shift) & 255, (high >> shift) & 255
+        first = j < 4
+        scale = tl.where(first, lo & 63, (hi & 15) | ((lo >> 6) << 4))
+        minimum = tl.where(first, mi & 63, (hi >> 4) | ((mi >> 6) << 4))
+        return scale.to(tl.float32), minimum.to(tl.float32)
+
+    @triton.jit
     def q4k_quarter_tile(rows, block, c: tl.constexpr, feat_ok, dtype: tl.constexpr, INTERPRETED: tl.constexpr,
                          BLOCK_N: tl.constexpr):
         """weight_tile's [64, BLOCK_N] tile of Q4_K rows (`rows` [1, BLOCK_N] byte pointers, 4-byte aligned) at values
         256 block + 64c ..: its 32 quant bytes at the block's start plus constants (low nibbles its first 32 values,
         high the next), the block's scale fields as 32-bit words; each value dequantize_groups' bit for bit."""
         base = rows + block * 144
-        head = base.to(tl.pointer_type(tl.uint32))
-        ends = tl.load(head, mask=feat_ok, other=0)
-        low = tl.load(head + 1, mask=feat_ok, other=0)
-        mid = tl.load(head + 2, mask=feat_ok, other=0)
-        high = tl.load(head + 3, mask=feat_ok, other=0)
-        d, dmin = _half_of(ends), _half_of(ends >> 16)
-        shift = (2 * c % 4) * 8                  # sub-blocks 2c and 2c + 1: bytes of the three scale words
-        lo, mi, hi = (low >> shift) & 255, (mid >> shift) & 255, (high >> shift) & 255
-        lo2, mi2, hi2 = (low >> (shift + 8)) & 255, (mid >> (shift + 8)) & 255, (high >> (shift + 8)) & 255
-        if c < 2:                                # sub-blocks 0..3: the low 6 bits of the first eight bytes
-            scale_lo, min_lo, scale_hi, min_hi = lo & 63, mi & 63, lo2 & 63, mi2 & 63
-        else:                                    # 4..7: the last four bytes and the top bits of the first eight
-            scale_lo, min_lo = (hi & 15) | ((lo >> 6) << 4), (hi >> 4) | ((mi >> 6) << 4)
-            scale_hi, min_hi = (hi2 & 15) | ((lo2 >> 6) << 4), (hi2 >> 4) | ((mi2 >> 6) << 4)
+        d, dmin, low, mid, high = _q4k_head(base, feat_ok)
+        j = tl.full([1, 1], 2 * c, tl.int32)                     # sub-blocks 2c and 2c + 1
+        scale_lo, min_lo = _k_scale_min_words(low, mid, high, j)
+        scale_hi, min_hi = _k_scale_min_words(low, mid, high, j + 1)
         quants = tl.load(base + 16 + c * 32 + tl.arange(0, 32)[:, None], mask=feat_ok, other=0).to(tl.int32)
-        w_lo = (d * _exact_float(scale_lo.to(tl.int32), 0)) * _exact_float(quants & 15, 0) \
-            - dmin * _exact_float(min_lo.to(tl.int32), 0)
-        w_hi = (d * _exact_float(scale_hi.to(tl.int32), 0)) * _exact_float(quants >> 4, 0) \
-            - dmin * _exact_float(min_hi.to(tl.int32), 0)
+        w_lo = (d * scale_lo) * (quants & 15).to(tl.float32) - dmin * min_lo
+        w_hi = (d * scale_hi) * (quants >> 4).to(tl.float32) - dmin * min_hi
         values = tl.reshape(tl.permute(tl.join(w_lo, w_hi), (2, 0, 1)), [64, BLOCK_N])
         return round_to(values, dtype, INTERPRETED)
+
+    @triton.jit
+    def q4k_block_halves(rows, at, lane, ok):
+        """The float32 values of one Q4_K block of each of the rows `rows` [N] (byte pointers, 4-byte aligned; the
+        block `at` bytes in), as two halves [N, 4, 32]: sub-blocks 0, 2, 4, 6 (each quant byte's low nibble) and 1, 3,
+        5, 7 (its high one), the quant bytes as [4, 32] runs; `lane` is [1, 1, 32] 0..31. Each value
+        dequantize_groups' bit for bit."""
+        d, dmin, low, mid, high = _q4k_head(rows + at, ok)
+        j = tl.arange(0, 4)[None, :] * 2
+        scale_lo, min_lo = _k_scale_min_words(low[:, None], mid[:, None], high[:, None], j)
+        scale_hi, min_hi = _k_scale_min_words(low[:, None], mid[:, None], high[:, None], j + 1)
+        quants = tl.load(rows[:, None, None] + at + 16 + tl.arange(0, 4)[None, :, None] * 32 + lane,
+                         mask=ok[:, None, None], other=0).to(tl.int32)
+        d, dmin = d[:, None, None], dmin[:, None, None]
+        w_lo = (d * scale_lo[:, :, None]) * (quants & 15).to(tl.float32) - dmin * min_lo[:, :, None]
+        w_hi = (d * scale_hi[:, :, None]) * (quants >> 4).to(tl.float32) - dmin * min_hi[:, :, None]
+        return w_lo, w_hi
 
     @triton.jit
     def split_q8_0_groups(row, quants_at, col, lane, mask):
