@@ -3,8 +3,9 @@ engine runs (ops.TorchOps.gate_product): the shared expert's SwiGLU input (silu;
 shared-input product's rows) and QSA's gated output (sigmoid; the gate a strided per-head view), at 1, 3 and 37
 rows and widths under and over one program's block, bf16 and fp16. On the CPU through Triton's interpreter (run in
 a child process: TRITON_INTERPRET must be set before Triton is imported) and on a GPU at the full model's sizes.
-The kernel computes act in float32 as torch does and rounds where torch rounds; exp may differ in its last float32
-bit between the two (numpy's under the interpreter, the GPU's own compiled), which can move a rounded value.
+The kernel computes act in float32 as torch does and rounds where torch rounds; exp (and on a GPU the division) may
+differ in its last float32 bit between the two (numpy's under the interpreter, the GPU's approximate instructions
+compiled), which can move a rounded value.
 """
 
 from __future__ import annotations

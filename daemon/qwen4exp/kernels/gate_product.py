@@ -1,8 +1,8 @@
 """act(gate) * x in one launch, act silu or sigmoid: the shared expert's SwiGLU input to its down projection
 (silu) and QSA's gated attention output (sigmoid). Their torch forms are two element-wise kernels each (three
-for QSA, whose gate is a strided view that reshape copies); in a decode step of the full model that is ~120
-launches of a few rows each. Same rounding points as the torch forms: act computed in float32 from the stored
-gate and rounded to the dtype, its product with x rounded once."""
+for QSA, whose gate is a strided view that reshape copies); in a decode step of the full model (48 MoE and 12
+QSA layers) that is 132 launches of a few rows each. Same rounding points as the torch forms: act computed in
+float32 from the stored gate and rounded to the dtype, its product with x rounded once."""
 
 from __future__ import annotations
 

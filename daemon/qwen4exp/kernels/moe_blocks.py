@@ -11,9 +11,9 @@ dequantizes them in registers (quant_tiles.py), in tiles of whole blocks:
   down types of llama.cpp's mixes, whose 640-value rows hold no whole 256-value block) GROUPS blocks a step, each
   read as two runs of 16 values in whole runs of bytes (quant_tiles.row_form), over the others as gate/up;
 * prefill (`grouped_gate_up`, `grouped_down`): the grouped GEMMs over pairs sorted by expert, each weight tile
-  read as decode reads rows (down over a 32-value type in halves, Q4_K gate/up a quarter block a step, the others a
-  byte a value), dequantized, rounded to x's dtype and fed to the tensor cores as the dense kernels' tiles are; a
-  chunk whose experts get many pairs each runs the dense kernels on the stack dequantized whole instead
+  read as decode reads rows (down over HALVES' types but IQ4_NL in halves, Q4_K gate/up a quarter block a step, the
+  others a byte a value), dequantized, rounded to x's dtype and fed to the tensor cores as the dense kernels' tiles
+  are; a chunk whose experts get many pairs each runs the dense kernels on the stack dequantized whole instead
   (`dequantized_for`: dequantizing a tile once per row block of its expert costs more than streaming the dense twin
   once); a short one runs smaller row blocks (moe.GroupedForm).
 
@@ -38,7 +38,7 @@ from .quant_tiles import grid_for, row_form
 ROWS_GATE_UP = dict(BLOCK_N=8, GROUPS=16, num_warps=4)
 # Gate/up over Q4_K: a 256-value block a step, gate and up in one loop (bench/moe_rows_variants.py's `q4k combined`,
 # 8 rows a program and 4 warps: 22.4 us against the byte form's 27.2 with one busy slot, 63.6 against 75.6 with 4, on
-# an H100; docs/PERFORMANCE.md).
+# an H100, before quant_tiles._exact_float took the byte form's slow conversions out; docs/PERFORMANCE.md).
 ROWS_GATE_UP_Q4K = dict(BLOCK_N=8, num_warps=4)
 ROWS_DOWN = {"halves": dict(BLOCK_N=32, GROUPS=4, num_warps=4), "groups": dict(BLOCK_N=16, GROUPS=4, num_warps=4)}
 # Prefill: from this many pairs per expert on average (a 3277-token chunk of the full model: 512 experts, top-10),
@@ -228,8 +228,9 @@ if triton is not None:
                                     num_pairs, num_experts, hidden, inter, row_bytes, QTYPE: tl.constexpr,
                                     INTERPRETED: tl.constexpr, FORM: tl.constexpr, BLOCK_M: tl.constexpr,
                                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """moe.py's grouped down GEMM with each weight tile dequantized from the expert's blocks: a type of HALVES
-        as two runs of 16 values a block (FORM "halves", quant_tiles.halves_tile), the others a byte a value."""
+        """moe.py's grouped down GEMM with each weight tile dequantized from the expert's blocks: as two runs of 16
+        values a block (FORM "halves", quant_tiles.halves_tile; _grouped_down_form says which types), or a byte a
+        value."""
         block_m, expert, feat = tile_of(tl.program_id(0), hidden, expert_of_block_ptr, BLOCK_N)
         if expert >= num_experts:
             return

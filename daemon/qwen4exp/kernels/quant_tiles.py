@@ -36,8 +36,9 @@ LAYOUTS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 QTYPES = tuple(LAYOUTS)
 GROUP = 32   # values that share their scale fields, in every type above
-# The 32-value types a decode product reads a block at a time, as two runs of 16 values (dequantize_halves): their
-# blocks have an even size, so every block's 16-bit fields are 2-byte aligned; Q8_0's quants pair up in 16-bit words.
+# The 32-value types the experts' down products read a block at a time, as two runs of 16 values (dequantize_halves;
+# a prompt's grouped GEMM all but IQ4_NL: moe_blocks._grouped_down_form): their blocks have an even size, so every
+# block's 16-bit fields are 2-byte aligned; Q8_0's quants pair up in 16-bit words.
 HALVES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 
 
