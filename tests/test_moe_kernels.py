@@ -180,9 +180,9 @@ def check_cpu_models_take_the_torch_forms():
 
 
 # Expert stacks kept as blocks (kernels/moe_blocks.py): each pair (gate/up type, down type) as a GGUF may mix
-# them, together reaching every block type, each 32-value one also as down (read in halves there); K-quant and IQ4_XS
-# rows hold whole 256-value blocks. The FP8 types are an
-# FP8 checkpoint's (checkpoint/fp8.py): 128-value runs where the widths allow, 32 where not.
+# them, together reaching every block type, and each 32-value one as a down type; K-quant and IQ4_XS rows hold whole
+# 256-value blocks. The FP8 types are an FP8 checkpoint's (checkpoint/fp8.py): 128-value runs where the widths allow,
+# 32 where not.
 BLOCK_PAIRS = [("Q4_K", "Q5_1"), ("Q5_K", "Q8_0"), ("Q6_K", "Q4_0"), ("IQ4_XS", "IQ4_NL"), ("Q4_1", "Q5_0"),
                ("Q5_0", "Q4_1"), ("Q8_0", "Q6_K"), ("FP8_B128", "FP8_B32")]
 QH, QI = 256, 64
