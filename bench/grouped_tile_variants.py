@@ -12,10 +12,11 @@ The engine's grouped GEMMs read a tile of
   plus constants, the scale fields as 32-bit words (moe_blocks._grouped_gate_up_q4k_kernel); `bytes`: the generic
   kernel (_grouped_gate_up_blocks_kernel), a lane a value.
 
-Each tile holds the same values in the same places and the products run in the same order, so the outputs must be
-equal bit for bit (`equal`); only the loads differ. Full model's shapes (512 experts, 2560 x 640, top-10), the row
-block the engine picks for the chunk (moe.grouped_form), x and h random; median of triton.testing.do_bench (L2
-flushed).
+Each tile holds the same values in the same places, so under the interpreter the outputs are equal bit for bit;
+compiled, the tensor cores may sum a tile's products in another order for another register layout (`equal` says
+which: on an H100 the 16-pair row blocks of Q4_K gate/up and Q5_1 down differ, docs/PERFORMANCE.md). Full model's
+shapes (512 experts, 2560 x 640, top-10), the row block the engine picks for the chunk (moe.grouped_form), x and h
+random; median of triton.testing.do_bench (L2 flushed).
 """
 
 from __future__ import annotations
