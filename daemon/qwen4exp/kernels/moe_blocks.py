@@ -273,7 +273,7 @@ def rows_gate_up(x, ids, flags, stack, h, top_k: int, common: dict) -> None:
     """moe.py's decode gate/up launch for a quantized [E, 2I, H] stack."""
     blocks, grid_table, row_bytes = _operands(stack)
     pairs, inter = h.shape
-    if _q4k_rows_fit(stack):
+    if _q4k_words_fit(stack):
         grid = (pairs, triton.cdiv(inter, ROWS_GATE_UP_Q4K["BLOCK_N"]))
         _rows_gate_up_q4k_kernel[grid](x, ids, flags, blocks, h, x.shape[1], inter, top_k, row_bytes, **common,
                                        **ROWS_GATE_UP_Q4K)
@@ -283,9 +283,9 @@ def rows_gate_up(x, ids, flags, stack, h, top_k: int, common: dict) -> None:
                                       QTYPE=stack.qtype, FORM="groups", **common, **ROWS_GATE_UP)
 
 
-def _q4k_rows_fit(stack) -> bool:
-    """Whether a decode gate/up over `stack` runs the Q4_K block-a-step kernel: rows of whole 256-value Q4_K blocks
-    whose 32-bit words are 4-byte aligned. Shapes and addresses only."""
+def _q4k_words_fit(stack) -> bool:
+    """Whether the Q4_K kernels that read a block's fields as 32-bit words take `stack` (the decode block-a-step
+    kernel, the grouped quarter-block one): Q4_K rows whose words are 4-byte aligned. Shapes and addresses only."""
     return stack.qtype == "Q4_K" and stack.blocks.data_ptr() % 4 == 0 and stack.blocks.shape[-1] % 4 == 0
 
 
@@ -315,7 +315,7 @@ def grouped_gate_up(x, pair_of_row, expert_of_block, stack, h, pairs: int, top_k
     blocks, grid_table, row_bytes = _operands(stack)
     inter = h.shape[1]
     grid = (expert_of_block.numel() * triton.cdiv(inter, config["BLOCK_N"]),)
-    if _quarters_fit(stack, config):
+    if _q4k_words_fit(stack) and config["BLOCK_K"] == 64:     # the quarter kernel's steps are 64 values
         # A step of this kernel is four of the generic kernel's: each pipeline stage buffers four x tiles and gate's
         # and up's quant bytes (32 a row) and scale words (16 bytes a row) for each. Two stages run loads as far
         # ahead as the generic kernel's four, and leave an H100's or H200's SM room for two programs.
@@ -326,13 +326,6 @@ def grouped_gate_up(x, pair_of_row, expert_of_block, stack, h, pairs: int, top_k
         return
     _grouped_gate_up_blocks_kernel[grid](x, pair_of_row, expert_of_block, blocks, grid_table, h, pairs, blocks.shape[0],
                                   x.shape[1], inter, top_k, row_bytes, QTYPE=stack.qtype, **common, **config)
-
-
-def _quarters_fit(stack, config: dict) -> bool:
-    """Whether a grouped gate/up over `stack` runs the Q4_K quarter-block kernel: Q4_K rows of whole 256-value blocks
-    in 64-value steps, its words 4-byte aligned. Shapes and addresses only."""
-    return (stack.qtype == "Q4_K" and config["BLOCK_K"] == 64 and stack.blocks.data_ptr() % 4 == 0
-            and stack.blocks.shape[-1] % 4 == 0)
 
 
 def grouped_down(h, pair_of_row, expert_of_block, weights, stack, y, pairs: int, config: dict,
