@@ -1,6 +1,6 @@
 """How many kernels a decode step launches, and where, counted on the CPU machine without a GPU.
 
-    python bench/launch_census.py [--preset full] [--layers N] [--quant ud-q4_k_xl] [--rows 1] [--top 40]
+    python bench/launch_census.py [--preset full] [--layers N] [--quant ud-q4_k_xl] [--rows 1 | --chunk 128] [--top 40]
 
 The model is built on the meta device for a CUDA target (kernel_launches' way: the Triton backend, no memory),
 one decode step of `--rows` rows runs, and every Triton launch and every torch operator that would launch a
@@ -62,7 +62,7 @@ class Census(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def census(config: ModelConfig, quantized: dict, rows: int, target: guard.Target) -> dict:
+def census(config: ModelConfig, quantized: dict, rows: int, target: guard.Target, chunk: int = 0) -> dict:
     device = torch.device("meta")
     with guard.compiling_for(target), ahead_of_time.recording(where_am_i_label) as launches:
         with device:
@@ -77,7 +77,10 @@ def census(config: ModelConfig, quantized: dict, rows: int, target: guard.Target
         active = torch.ones(rows, dtype=torch.bool, device=device)
         start = len(launches)
         with Census() as counted:
-            model.decode_rows(ids, ids, active, states, rope)
+            if chunk:
+                model(torch.zeros(chunk, dtype=torch.long, device=device), states.rows[0])
+            else:
+                model.decode_rows(ids, ids, active, states, rope)
         step = launches[start:]
     triton = collections.Counter((launch.op.split("|")[0], launch.op.split("|")[1], launch.name) for launch in step)
     return {"triton": triton, "torch": counted.ops}
@@ -113,13 +116,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--quant", default="ud-q4_k_xl", help="a GGUF mix or block type; 'none' for bfloat16")
     parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--chunk", type=int, default=0, help="count a prompt chunk of this many tokens instead "
+                        "(at the prompt's start; eager, as the engine runs prompt chunks)")
     parser.add_argument("--target", default="sm_90", help="one of " + ", ".join(guard.CHECKED_TARGETS))
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--out", default=None, help="also write the counts as JSON")
     args = parser.parse_args()
     config = ModelConfig.from_dict(preset_config(args.preset, args.layers, dtype="bfloat16"), source=args.preset)
     quantized = {} if args.quant == "none" else kernel_launches.quantized_for(config, args.quant)
-    result = report(census(config, quantized, args.rows, guard.CHECKED_TARGETS[args.target]), args.top)
+    result = report(census(config, quantized, args.rows, guard.CHECKED_TARGETS[args.target], args.chunk), args.top)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"preset": args.preset, "layers": config.num_hidden_layers, "quant": args.quant,
