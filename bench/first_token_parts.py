@@ -4,7 +4,9 @@ An engine serves a prompt no cache holds (a server's engine: the prefix cache on
 before), and the time from its submission to the moment the engine takes its first token is split into:
 
 - forward: the model's prompt chunks (the device synchronised around each, so its kernels count here; a Triton
-  compile on a new length counts here too, which is why each length is sent twice, with other tokens);
+  compile on a new length counts here too, which is why each length is sent twice, with other tokens); apart,
+  `forward_launch_s`: the part of it until the chunks' calls returned, before the wait for the device. Close to
+  the forward, the host's launches set the pace (the device waits on them); far below it, the kernels do;
 - sampling: the first token drawn from the last chunk's logits;
 - capture / restore: prefix-cache snapshots taken at restore points before the token (the prompt's last one
   is taken after it, off its path), and the lookup of a cached prefix;
@@ -89,6 +91,7 @@ def first_token_parts(engine: Engine, prompt: list[int], device: torch.device) -
     """Submit `prompt` (one new token) and step until its first token, timing each part; the request is run to
     its end before returning."""
     calls: list[tuple[str, float, float]] = []     # (part, when it began, seconds)
+    launched: list[tuple[float, float]] = []         # the forward calls': (when each began, seconds until it returned)
 
     def timed(part: str):
         def wrap(fn):
@@ -98,6 +101,8 @@ def first_token_parts(engine: Engine, prompt: list[int], device: torch.device) -
                 try:
                     return fn(*args, **kwargs)
                 finally:
+                    if part == "forward":
+                        launched.append((started, time.perf_counter() - started))
                     _sync(device)
                     calls.append((part, started, time.perf_counter() - started))
             return call
@@ -118,7 +123,9 @@ def first_token_parts(engine: Engine, prompt: list[int], device: torch.device) -
     taken = request.first_token_at if request.first_token_at is not None else float("inf")
     parts = {part: sum(took for name, began, took in calls if name == part and began < taken) for part in PARTS}
     parts["host"] = max(0.0, took - sum(parts.values()))
-    return {"tokens": len(prompt), "ttft_s": took, "parts_s": parts, "new_device_segments": new_segments,
+    launch = sum(seconds for began, seconds in launched if began < taken)
+    return {"tokens": len(prompt), "ttft_s": took, "parts_s": parts, "forward_launch_s": launch,
+            "new_device_segments": new_segments,
             "finish_reason": request.finish_reason.value if request.finish_reason else None,
             "error": request.error}
 

@@ -62,7 +62,8 @@ class Census(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def census(config: ModelConfig, quantized: dict, rows: int, target: guard.Target, chunk: int = 0) -> dict:
+def census(config: ModelConfig, quantized: dict, rows: int, target: guard.Target, chunk: int = 0,
+           together: bool = False) -> dict:
     device = torch.device("meta")
     with guard.compiling_for(target), ahead_of_time.recording(where_am_i_label) as launches:
         with device:
@@ -71,6 +72,7 @@ def census(config: ModelConfig, quantized: dict, rows: int, target: guard.Target
             regroup_q8_0(model)
             model = model.to(kernel_launches.DTYPE)
         model.ops = kernel_launches.OwnKernels()
+        model.ops.rows_independent = together
         states = StateBatch(config, rows, kernel_launches.CAPACITY, device, kernel_launches.DTYPE)
         rope = model.rope_table(kernel_launches.CAPACITY, device)
         ids = torch.zeros(rows, dtype=torch.long, device=device)
@@ -118,13 +120,16 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=0, help="count a prompt chunk of this many tokens instead "
                         "(at the prompt's start; eager, as the engine runs prompt chunks)")
+    parser.add_argument("--together", action="store_true", help="the Triton backend with rows_independent on "
+                        "(fixed row tiles: the form a verify step runs its positions together in)")
     parser.add_argument("--target", default="sm_90", help="one of " + ", ".join(guard.CHECKED_TARGETS))
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--out", default=None, help="also write the counts as JSON")
     args = parser.parse_args()
     config = ModelConfig.from_dict(preset_config(args.preset, args.layers, dtype="bfloat16"), source=args.preset)
     quantized = {} if args.quant == "none" else kernel_launches.quantized_for(config, args.quant)
-    result = report(census(config, quantized, args.rows, guard.CHECKED_TARGETS[args.target], args.chunk), args.top)
+    result = report(census(config, quantized, args.rows, guard.CHECKED_TARGETS[args.target], args.chunk,
+                            args.together), args.top)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"preset": args.preset, "layers": config.num_hidden_layers, "quant": args.quant,

@@ -834,7 +834,9 @@ def table(r: dict) -> str:
         lines += ["", f"{'cold prompt':<12}{'first s':>9}{'again s':>9}{'split s':>9}  where the split one's time went"]
         for f in r["first_tokens"]["prompts"]:
             parts = ", ".join(f"{k} {v * 1000:.1f}" for k, v in f["parts_s"].items() if v >= 0.0005)
-            lines.append(f"{f['tokens']:<12}{f['first_s']:>9.3f}{f['plain_s']:>9.3f}{f['ttft_s']:>9.3f}  ms: {parts}")
+            launch = f" (launched in {f['forward_launch_s'] * 1000:.1f})" if "forward_launch_s" in f else ""
+            lines.append(f"{f['tokens']:<12}{f['first_s']:>9.3f}{f['plain_s']:>9.3f}{f['ttft_s']:>9.3f}  ms: {parts}"
+                         f"{launch}")
             if f.get("first_compiles") or f.get("first_new_device_segments"):
                 lines.append(f"{'':<12}the first: {f.get('first_new_device_segments')} new device segments, "
                              f"compiled {', '.join(f.get('first_compiles') or []) or 'nothing'}")

@@ -136,6 +136,7 @@ def test_speed_smoke(tmp_path):
         assert f["first_s"] > 0 and f["plain_s"] > 0 and f["finish_reason"] == "length" and f["error"] is None
         assert f["parts_s"]["forward"] > 0 and f["parts_s"]["sampling"] > 0
         assert sum(f["parts_s"].values()) == pytest.approx(f["ttft_s"])
+        assert 0 < f["forward_launch_s"] <= f["parts_s"]["forward"]
     # The 40-token prompt crosses a restore point (spacing 16, chunk 32): its chunk's snapshot was captured.
     assert prompts[0]["parts_s"]["capture"] == 0 and prompts[1]["parts_s"]["capture"] > 0
 

@@ -38,7 +38,8 @@ def decode_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight.T in GEMMs of DECODE_ROW_BLOCK rows."""
     rows = x.shape[0]
     padded = F.pad(x, (0, 0, 0, -rows % DECODE_ROW_BLOCK))
-    return torch.cat([F.linear(block, weight) for block in padded.split(DECODE_ROW_BLOCK)])[:rows]
+    out = [F.linear(block, weight) for block in padded.split(DECODE_ROW_BLOCK)]
+    return (out[0] if len(out) == 1 else torch.cat(out))[:rows]
 
 
 def _simd_free() -> bool:

@@ -197,12 +197,15 @@ def _fixed_tiles(x: torch.Tensor, weight) -> torch.Tensor:
     """x @ weight.T, 16 rows at a time, each in a kernel whose row tile is 16 whatever the rows it is given (a weight
     the row kernel does not take: a GEMM of 16 rows, padded), so a row's sum does not depend on the row count."""
     rows = x.reshape(-1, x.shape[-1])
-    out = []
-    for block in rows.split(row_products.MAX_ROWS):
-        if isinstance(weight, QuantizedStack):
-            out.append(block_products.linear(block, weight))
-        elif row_products.fits(block, weight):
-            out.append(row_products.row_products(block, weight))
-        else:
-            out.append(decode_product(block, weight))
-    return torch.cat(out).reshape(*x.shape[:-1], -1)
+    # A plain step's rows are one tile: its product is the output as it is (no copy through torch.cat, which
+    # cost every product of the step a kernel).
+    out = [_tile_product(block, weight) for block in rows.split(row_products.MAX_ROWS)]
+    return (out[0] if len(out) == 1 else torch.cat(out)).reshape(*x.shape[:-1], -1)
+
+
+def _tile_product(block: torch.Tensor, weight) -> torch.Tensor:
+    if isinstance(weight, QuantizedStack):
+        return block_products.linear(block, weight)
+    if row_products.fits(block, weight):
+        return row_products.row_products(block, weight)
+    return decode_product(block, weight)
