@@ -192,7 +192,7 @@ class Drafter:
         last = [substeps - 1] * len(self.pool.slots)
         for index, count in kept.items():
             last[index] = count - 1
-        self.pool.states.commit(torch.tensor(last, device=self.device), substeps)
+        self.runner.commit(last, substeps)
         for index, count in kept.items():
             drafting, tried = self._slots[index], len(drafts[index])
             drafting.streams, drafting.tokens = streams[:count, index], drafts[index][:count - 1]

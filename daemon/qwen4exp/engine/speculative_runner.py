@@ -44,8 +44,10 @@ class SpeculativeRunner:
                       "last": zeros(count), "lengths": zeros(count),
                       "going": zeros(max(most - 1, 1), count, dtype=torch.bool)}
         self._verify = {"tokens": zeros(rows), "positions": zeros(rows), "active": zeros(rows, dtype=torch.bool)}
+        self._last = zeros(count)            # each slot's last kept position of a verify step, for `commit`
         self._drafts: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self._verifies: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._commits: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         if graph and device.type == "cuda" and not model.spans_devices:
             with torch.cuda.device(device):
@@ -78,6 +80,9 @@ class SpeculativeRunner:
             return self.model.verify_rows(v["tokens"][:n], v["positions"][:n], v["active"][:n], self.states,
                                           self.rope, substeps)
 
+    def _commit_pass(self, substeps: int) -> None:
+        self.states.commit(self._last, substeps)
+
     # ---- graphs ----------------------------------------------------------------------------------------------
     def _capture(self) -> None:
         started = time.perf_counter()
@@ -86,9 +91,16 @@ class SpeculativeRunner:
             self._drafts[k] = capture_graph(lambda k=k: self._draft_pass(k), self.device, pool)
         for substeps in range(1, self.most + 2):
             self._verifies[substeps] = capture_graph(lambda s=substeps: self._verify_pass(s), self.device, pool)
+        # A commit is two kernels a carried tensor of every layer: replayed, the host does not launch them one by
+        # one while the device waits. Captured keeping every row's state as it is (each row's last position the
+        # step's last), so the capture's own runs change nothing.
+        for substeps in range(2, self.most + 2):
+            self._last.fill_(substeps - 1)
+            self._commits[substeps] = capture_graph(lambda s=substeps: self._commit_pass(s), self.device, pool)[0]
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - started
-        log.info("speculative steps captured as CUDA graphs (drafts 0..%d, verify 1..%d positions) in %.2f s",
+        log.info("speculative steps captured as CUDA graphs (drafts 0..%d, verify and commit 1..%d positions) in "
+                 "%.2f s",
                  self.most, self.most + 1, self.capture_seconds)
 
     # ---- the engine's calls ----------------------------------------------------------------------------------
@@ -127,6 +139,15 @@ class SpeculativeRunner:
             graph.replay()
             return out
         return self._verify_pass(substeps)
+
+    def commit(self, last: list[int], substeps: int) -> None:
+        """After a verify step of `substeps` positions a slot: each slot's carried state as after its position
+        last[i] (StateBatch.commit)."""
+        _fill(self._last, last)
+        if substeps in self._commits:
+            self._commits[substeps].replay()
+        else:
+            self._commit_pass(substeps)
 
 
 def _fill(target: torch.Tensor, values: list) -> None:

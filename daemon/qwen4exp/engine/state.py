@@ -207,10 +207,15 @@ class StateBatch:
         sub-step last[row] (a device tensor [N]; substeps - 1: as the step left it). No host synchronisation."""
         if substeps == 1:
             return
-        # A split model's layer states sit on their layers' devices (placement.py): the indices go to each once.
-        indices = {last.device: (last, torch.arange(len(self.rows), device=last.device))}
+        # A row whose last kept sub-step is the step's last keeps the tensor as it is; the others take their
+        # sub-step's state from the history: one state read a row, and the choice made in place. A split model's
+        # layer states sit on their layers' devices (placement.py): the indices go to each once.
+        indices: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         for tensor in _carried(self.layers, self.ple):
-            kept = self._history[id(tensor)][:substeps - 1]
             if tensor.device not in indices:
-                indices[tensor.device] = tuple(t.to(tensor.device) for t in indices[last.device])
-            tensor.copy_(torch.cat((kept, tensor[None]))[indices[tensor.device]])
+                at = last.to(tensor.device)
+                indices[tensor.device] = (at.clamp(max=substeps - 2), torch.arange(len(self.rows), device=at.device),
+                                          at == substeps - 1)
+            pick, rows, final = indices[tensor.device]
+            kept = self._history[id(tensor)][pick, rows]
+            torch.where(final.view(-1, *[1] * (tensor.dim() - 1)), tensor, kept, out=tensor)
