@@ -149,6 +149,30 @@ def check_grouped_match_reference():
     assert expert_of_block.tolist() == [0, 1, 1, 3, 5, 5, 5, 5]  # 5 = past the last group
 
 
+def _layout_cases():
+    """Routings whose layouts differ in every way a chunk's can: one pair, experts with no pairs, a group
+    longer than a row block, every pair on one expert, the last expert, 4096 tokens of the full model's top 10."""
+    import torch
+
+    gen = torch.Generator().manual_seed(11)
+    yield torch.tensor([[3]]), 5, 2
+    yield torch.tensor([[1, 0], [1, 3], [0, 1]]), 5, 2
+    yield torch.full((40, 2), 4), 5, 16
+    yield torch.randint(0, 8, (37, 3), generator=gen), 8, 16
+    yield torch.randint(0, 512, (4096, 10), generator=gen), 512, 16
+    yield torch.randint(0, 512, (700, 10), generator=gen) // 7 * 7, 512, 64   # every seventh expert only
+
+
+def check_the_layout_kernels_give_the_torch_layout():
+    import torch
+
+    from qwen4exp.kernels.expert_groups import group_pairs_by_expert, group_pairs_in_torch
+
+    for ids, experts, block_m in _layout_cases():
+        got, want = group_pairs_by_expert(ids, experts, block_m), group_pairs_in_torch(ids, experts, block_m)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (tuple(ids.shape), experts, block_m)
+
+
 def check_grouped_is_batch_invariant():
     import torch
 
@@ -394,6 +418,10 @@ def test_block_kernels_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     decode_kernels_read_each_weight_exactly("cuda")
+    from qwen4exp.kernels.expert_groups import group_pairs_by_expert, group_pairs_in_torch
+    for ids, experts, block_m in _layout_cases():
+        got = group_pairs_by_expert(ids.cuda(), experts, block_m)
+        assert all(torch.equal(a, b) for a, b in zip(got, group_pairs_in_torch(ids.cuda(), experts, block_m)))
     for qtype in QTYPES:
         blocks = torch.from_numpy(random_blocks(qtype, (64, 2560), 0.5, 3)).cuda()
         assert torch.equal(dequantize_rows(blocks, qtype).view(torch.int32),
