@@ -397,8 +397,24 @@ def gather_rows(blocks: torch.Tensor, qtype: str, ids: torch.Tensor, dtype: torc
 def dequantize_stack(stack) -> torch.Tensor:
     """A QuantizedStack's whole tensor in its dtype (as `stack.dequantize()` gives it, bit for bit), in one launch."""
     blocks = stack.blocks.reshape(-1, stack.blocks.shape[-1])
-    ids = torch.arange(blocks.shape[0], device=blocks.device)
-    return gather_rows(blocks, stack.qtype, ids, stack.dtype).reshape(stack.shape)
+    every_row = _every_row(blocks.shape[0], blocks.device)
+    return gather_rows(blocks, stack.qtype, every_row, stack.dtype).reshape(stack.shape)
+
+
+_ROWS: dict[torch.device, torch.Tensor] = {}
+
+
+def _every_row(rows: int, device: torch.device) -> torch.Tensor:
+    """0..rows-1 on `device`: a view of one index tensor kept per device (grown when a longer one is asked), since
+    a prompt chunk dequantizes every quantized projection it multiplies and a new index tensor each time was a
+    launch of its own. Not kept when made under a CUDA graph capture, which records it but does not run it."""
+    device = torch.device(device)
+    have = _ROWS.get(device)
+    if have is None or have.numel() < rows:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.arange(rows, device=device)
+        have = _ROWS[device] = torch.arange(rows, device=device)
+    return have[:rows]
 
 
 def dequantize_rows(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
