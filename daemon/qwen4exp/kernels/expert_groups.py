@@ -76,7 +76,8 @@ if triton is not None:
 
     @triton.jit
     def _first_at_least(sorted_ptr, value, count, iterations):
-        """For each lane: the first index in sorted[0, count) whose value is >= `value` (count if none)."""
+        """For each lane of `value` (or the one value): the first index in sorted[0, count) whose value is >= it
+        (count if none)."""
         low = tl.zeros_like(value)
         high = low + count
         for _ in range(iterations):       # bit_length(count) halvings close every interval
@@ -111,16 +112,7 @@ if triton is not None:
         `experts` past the last group) and the pair each of its rows holds (the pair count where none)."""
         block = tl.program_id(0).to(tl.int64)
         first_row = block * BLOCK_M
-        ends = bounds_ptr + 2 * experts
-        low = block * 0
-        high = low + experts
-        for _ in range(iterations):
-            middle = (low + high) // 2
-            open_ = low < high
-            within = open_ & (tl.load(ends + middle, mask=open_ & (middle < experts), other=0) <= first_row)
-            low = tl.where(within, middle + 1, low)
-            high = tl.where(open_ & ~within, middle, high)
-        expert = low
+        expert = _first_at_least(bounds_ptr + 2 * experts, first_row + 1, experts, iterations)   # ends past it
         tl.store(expert_of_block_ptr + block, expert.to(tl.int32))
         at = tl.minimum(expert, experts - 1)
         rank = first_row + tl.arange(0, BLOCK_M) - tl.load(bounds_ptr + experts + at)   # >= 0: past the group's start

@@ -421,6 +421,5 @@ def dequantize_rows(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     """uint8 rows [..., row bytes] of `qtype` -> float32 [..., values], in the kernels' in-register form (the tests
     hold it to the torch form bit for bit)."""
     flat = blocks.reshape(-1, blocks.shape[-1]).contiguous()
-    ids = torch.arange(flat.shape[0], device=blocks.device)
-    out = gather_rows(flat, qtype, ids, torch.float32)
+    out = gather_rows(flat, qtype, _every_row(flat.shape[0], blocks.device), torch.float32)
     return out.reshape(*blocks.shape[:-1], out.shape[-1])
