@@ -10,20 +10,14 @@
 3. with `--long N`: each chunk's wall time for an N-token prompt (chunks of `--prompt`), and the profile of
    its last chunk, where attention sees the longest prefix.
 `--chunks-only` skips 1 and the decode profile (a prompt chunk's profile on the full model without building
-three engines). `--host` adds where the host's time goes in a fresh chunk of `--prompt` tokens: the profiler's
-table by the host's own time (launch and copy calls included), Python's profile of the chunk's step, and every
-operation that waits for the device (torch's sync debug mode), with where it was called.
+three engines).
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import time
-import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -125,58 +119,6 @@ def profile_long_prompt(engine: Engine, length: int, chunk: int, rows: int, limi
             prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)]
 
 
-def host_report(engine: Engine, prompt: int, rows: int, limit: int) -> list[str]:
-    """Where a fresh `prompt`-token chunk's host time goes (three fresh chunks: the profiler's table by self CPU
-    time, cProfile's top functions, the synchronising operations with their callers), and each chunk's wall time
-    before and after the wait for the device."""
-    g = torch.Generator().manual_seed(13)
-    report = []
-
-    def fresh_step():
-        request = engine.submit(Request(prompt_ids=torch.randint(0, limit, (prompt,), generator=g).tolist(),
-                                        max_tokens=1))
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        engine.step()
-        launched = time.perf_counter() - started
-        torch.cuda.synchronize()
-        done = time.perf_counter() - started
-        engine.run_until_idle()
-        assert request.output_ids, request.error
-        return f"step {done * 1000:.1f} ms, returned after {launched * 1000:.1f} ms"
-
-    report.append(f"== a fresh {prompt}-token chunk, unprofiled: {fresh_step()}; again: {fresh_step()}")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        timing = fresh_step()
-    report.append(f"== the same under the profiler ({timing}), by self CPU time")
-    report.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
-    python = cProfile.Profile()
-    python.enable()
-    timing = fresh_step()
-    python.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(python, stream=text)
-    stats.sort_stats("tottime").print_stats(rows)
-    stats.sort_stats("cumulative").print_stats(rows)
-    report.append(f"== the same under cProfile ({timing})")
-    report.append(text.getvalue())
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            timing = fresh_step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    places: dict[str, int] = {}
-    for warning in caught:
-        where = f"{warning.filename}:{warning.lineno}: {str(warning.message).splitlines()[0][:80]}"
-        places[where] = places.get(where, 0) + 1
-    report.append(f"== operations that waited for the device in the same ({timing}; the step's own wait and the "
-                  f"request's sampling included): {sum(places.values())}")
-    report += [f"{count:5d}  {where}" for where, count in sorted(places.items(), key=lambda item: -item[1])]
-    return report
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_model_arguments(parser)
@@ -188,8 +130,6 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
     parser.add_argument("--chunks-only", action="store_true",
                         help="skip the decode timings (1) and the eager decode profile (2): the prompt chunks alone")
-    parser.add_argument("--host", action="store_true",
-                        help="also where the host's time goes in a fresh chunk (profiler, cProfile, device waits)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     model = bench_model(args)
@@ -236,9 +176,6 @@ def main() -> None:
     print("\n".join(report[-2:]), flush=True)
     engine.run_until_idle()
     assert fresh.output_ids
-    if args.host:
-        report += host_report(engine, args.prompt, args.rows, limit)
-        print("\n".join(report[-6:])[:4000], flush=True)
     if args.long:
         report += profile_long_prompt(engine, args.long, args.prompt, args.rows, limit)
         print("\n".join(report[-3:]), flush=True)

@@ -28,7 +28,8 @@ def err(a, b):
 
 results = {}
 gen = torch.Generator().manual_seed(0)
-for label, hidden, low_rank, rows in (("tiny", 64, 16, 3), ("ragged", 48, 40, 3), ("many rows", 64, 16, 70)):
+for label, hidden, low_rank, rows in (("tiny", 64, 16, 3), ("ragged", 48, 40, 3), ("many rows", 64, 16, 70),
+                                      ("a long chunk's rows", 64, 16, 300)):
     hc, dtype = 4, torch.bfloat16
     res = GatedResidual(hidden, hc, low_rank, 1e-6)
     with torch.no_grad():
@@ -78,7 +79,8 @@ def results():
     return interpreted_results(CHILD)
 
 
-CASES = [f"{label}/{update}" for label in ("tiny", "ragged", "many rows") for update in ("none", "add", "inject")]
+CASES = [f"{label}/{update}" for label in ("tiny", "ragged", "many rows", "a long chunk's rows")
+         for update in ("none", "add", "inject")]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -104,7 +106,7 @@ def test_one_group_per_row_is_the_plain_rms_norm(results):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4, 4096])
+@pytest.mark.parametrize("rows", [1, 4, 128, 4096])
 def test_fused_forms_follow_torch_at_shipped_sizes_on_gpu(rows):
     """The shipped hyper-connection sizes (4 x 2560 streams, rank 320) on the GPU: the fused update + norm + mix
     (and the plain norms) of the Triton ops against the torch ops."""

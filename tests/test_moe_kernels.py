@@ -124,6 +124,23 @@ def check_rows_shared_term_matches_torch():
     assert torch.equal(none, torch.sigmoid(wide[:, 1:2]) * term)
 
 
+def check_grouped_shared_term_matches_torch():
+    """A prompt chunk's shared expert term, added in the grouped path's slot sum, equals torch's
+    routed + sigmoid(g) * s bit for bit; with no routed experts it is the term alone."""
+    import torch
+
+    from qwen4exp.kernels.moe import moe_grouped
+
+    gate_up, down, gen, dtype = _setup("bfloat16", seed=6)
+    x, ids, weights = _routing(37, gen, dtype)
+    term = torch.randn(37, H, generator=gen).to(dtype)
+    wide = torch.randn(37, 3, generator=gen).to(dtype)
+    got = moe_grouped(x, ids, weights, gate_up, down, shared=(term, wide[:, 1:2]))
+    assert torch.equal(got, moe_grouped(x, ids, weights, gate_up, down) + torch.sigmoid(wide[:, 1:2]) * term)
+    none = moe_grouped(x, ids[:, :0], weights[:, :0], gate_up, down, shared=(term, wide[:, 1:2]))
+    assert torch.equal(none, torch.sigmoid(wide[:, 1:2]) * term)
+
+
 def check_grouped_match_reference():
     import torch
 

@@ -56,7 +56,7 @@ def lists_and_masks(indexer, rotary, x, bounds, dtype, device):
             masks.append(mask)
             step = Step(TORCH_OPS, torch.zeros(b - a, dtype=torch.long, device=device),
                         torch.arange(a, b, device=device), listed, cos, sin, start=a)
-            lists.append(TritonOps._chunk_token_lists(indexer, indexer.store_keys(x[a:b], step, listed), a, listed))
+            lists.append(TritonOps._chunk_token_lists(indexer, indexer.store_keys(x[a:b], step, listed), step, listed))
     return masks, lists
 
 

@@ -1,7 +1,7 @@
-"""The decode step's router kernel (kernels/router.py) on the CPU through Triton's interpreter, and at the shipped
-sizes on a GPU: the same experts as torch's softmax + top-k with ties going to the lower expert id (a stable
-order), weights within one rounding of the torch form's, NaN rows kept in range, bad shapes refused. Run in a
-child process: TRITON_INTERPRET must be set before Triton is imported."""
+"""The router kernel (kernels/router.py), which decode steps and prompt chunks take, on the CPU through Triton's
+interpreter, and at the shipped sizes on a GPU: the same experts as torch's softmax + top-k with ties going to
+the lower expert id (a stable order), weights within one rounding of the torch form's, NaN rows kept in range,
+bad shapes refused. Run in a child process: TRITON_INTERPRET must be set before Triton is imported."""
 
 from __future__ import annotations
 

@@ -38,6 +38,10 @@ MIX_FEW = {"BLOCK_T": 16, "BLOCK_H": 64, "BLOCK_K": 64, "NUM_STAGES": 3, "ACT_RE
 # Many rows (bench/hyper_kernels_bench.py on an H200, 4096 rows): 195 us; 128-row tiles 206 us, unpipelined
 # 243 us, silu recomputed per stream 418 us, 128-wide features 533 us.
 MIX_MANY = {"BLOCK_T": 64, "BLOCK_H": 64, "BLOCK_K": 64, "NUM_STAGES": 3, "ACT_READY": True, "num_warps": 4}
+# A short prompt chunk is bound by the host's launches, not by its kernels (docs/PERFORMANCE.md): up to SHORT_ROWS
+# rows each program computes silu(down / hc) itself, which saves torch's two launches a mix.
+SHORT_ROWS = 256
+MIX_SHORT = dict(MIX_MANY, ACT_READY=False)
 
 
 def mix_fits(hc: int, low_rank: int) -> bool:
@@ -180,7 +184,7 @@ def mix_streams(down: torch.Tensor, up_weight: torch.Tensor, normed: torch.Tenso
                          f"{tuple(up_weight.shape)}, normed {tuple(normed.shape)}, {hc} streams")
     mixed = torch.empty(rows, hidden, device=normed.device, dtype=normed.dtype)
     gates = torch.empty(rows, hc, device=normed.device, dtype=normed.dtype) if inject is not None else None
-    config = dict(config or (MIX_FEW if rows <= FEW_ROWS else MIX_MANY))
+    config = dict(config or (MIX_FEW if rows <= FEW_ROWS else MIX_SHORT if rows <= SHORT_ROWS else MIX_MANY))
     act_ready = config.pop("ACT_READY")
     split = config.pop("SPLIT_STREAMS", False)
     config["BLOCK_K"] = min(config["BLOCK_K"], max(16, triton.next_power_of_2(low_rank)))

@@ -350,14 +350,17 @@ def grouped_configs(device: torch.device, itemsize: int, m: int = GROUPED_BLOCK_
 
 
 def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, form: GroupedForm | None = None) -> torch.Tensor:
+                down: torch.Tensor, form: GroupedForm | None = None,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Prefill: x [T, H], ids/weights [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype,
     through grouped GEMMs over the pairs sorted by expert, in `form` (default: the rows' own, grouped_form). No
     host synchronisation; the grids are sized by the padded upper bound and blocks past the last group exit at
-    once."""
+    once. With shared = (term [T, H], gate logit [T, 1]), sigmoid(gate) * term is added in the slot sum's kernel,
+    as moe_rows adds it (each op rounded as torch's would be)."""
     rows, hidden, inter, top_k = _check(x, ids, weights, gate_up, down)
     if rows == 0 or top_k == 0:
-        return torch.zeros_like(x)
+        routed = torch.zeros_like(x)
+        return routed if shared is None else routed + torch.sigmoid(shared[1]) * shared[0]
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     gate_up, down = _dense_contiguous(gate_up), _dense_contiguous(down)
     num_experts = gate_up.shape[0]
@@ -387,4 +390,4 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
         grid = (max_blocks * triton.cdiv(hidden, down_config["BLOCK_N"]),)
         _grouped_down_kernel[grid](h, pair_of_row, expert_of_block, weights, down, y, pairs, num_experts, hidden,
                                    inter, **common, **down_config)
-    return _combine(y, None, rows, hidden, top_k, x.dtype)
+    return _combine(y, None, rows, hidden, top_k, x.dtype, shared)

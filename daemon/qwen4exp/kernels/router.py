@@ -1,15 +1,15 @@
-"""The MoE router of a decode step as one Triton kernel (CUDA and ROCm): softmax, top-k, renormalisation.
+"""The MoE router as one Triton kernel (CUDA and ROCm): softmax, top-k, renormalisation.
 
-In torch the router is six kernels per layer (softmax, top-k, its sort, sum, division, cast); in a decode step
-of a few rows each is a launch of a few microseconds, 48 of them per step on the bench preset. Here one
-program per row holds the row's expert logits (512 on the shipped model) in registers, takes the k largest
-probabilities one at a time (ties to the lower expert id, as a stable sort would) and writes ids and weights.
+In torch the router is four to six kernels a layer (softmax, top-k, sum, division, cast); a decode step of a few
+rows and a short prompt chunk are both bound by their launches, not by this work. Here one program per row holds
+the row's expert logits (512 on the shipped model) in registers, takes the k largest probabilities one at a time
+(ties to the lower expert id, as a stable sort would) and writes ids and weights.
 
 Numerics: float32 throughout as in torch's router (softmax in float32, weights divided by their float32 sum,
 rounded once to the model dtype); the exponential and the order inside the sums are the kernel's own, so a
-weight can differ from the torch form's in its last bit. The prefill path keeps torch's router, as do float32
-models; every bf16/fp16 decode step on a GPU takes this one, so decode results do not depend on the batch, the
-graph or the snapshot they came from.
+weight can differ from the torch form's in its last bit. Every bf16/fp16 decode step and prompt chunk on a GPU
+takes this kernel (float32 models keep torch's router); a row's choice depends on its own logits alone, so
+results do not depend on the batch, the graph or the snapshot they came from.
 """
 
 from __future__ import annotations

@@ -93,8 +93,11 @@ class Indexer(nn.Module):
         first, last = start // self.ratio, end // self.ratio
         if last > first:
             raw = state.index_keys[first * self.ratio:last * self.ratio].reshape(last - first, self.ratio, self.dim)
-            block_starts = torch.arange(first, last, device=raw.device) * self.ratio
-            rope = step.cos_table[block_starts], step.sin_table[block_starts]
+
+            def block_rope():      # the same in every QSA layer of the chunk: made once
+                block_starts = torch.arange(first, last, device=raw.device) * self.ratio
+                return step.cos_table[block_starts], step.sin_table[block_starts]
+            rope = step.shared(("completed blocks' rope", self.ratio), block_rope)
             state.block_keys[first:last] = self._pool(raw, rope, step)
 
     def _store_rows(self, raw_keys: torch.Tensor, step, state: AttentionState) -> None:

@@ -75,7 +75,7 @@ class TritonOps(TorchOps):
         return hyper.mix_streams(down, up_weight, normed, hc, gate_logits)
 
     def route(self, logits, top_k, normalize, step):
-        if step.decode and router.fits(logits):
+        if router.fits(logits):
             return router.route_rows(logits, top_k, normalize)
         return super().route(logits, top_k, normalize, step)
 
@@ -84,8 +84,7 @@ class TritonOps(TorchOps):
             return hot_experts.moe_rows(x, ids, weights, experts, step.flags, shared)
         if step.decode:
             return moe.moe_rows(x, ids, weights, experts.gate_up_proj, experts.down_proj, step.flags, shared)
-        routed = moe.moe_grouped(x, ids, weights, experts.gate_up_proj, experts.down_proj, form)
-        return routed + torch.sigmoid(shared[1]) * shared[0]
+        return moe.moe_grouped(x, ids, weights, experts.gate_up_proj, experts.down_proj, form, shared)
 
     def chunks_experts(self, moe_block, mixed, steps):
         # The routed experts of every chunk in one grouped launch, their weights read once for all: within one
@@ -140,23 +139,28 @@ class TritonOps(TorchOps):
             out = qsa_attention.sparse_attention(q, state.keys, state.values, index, valid, scale,
                                                  splits=qsa_attention.DECODE_SPLITS)
         else:
-            index, valid = self._chunk_token_lists(indexer, index_q, step.start, state)
+            index, valid = self._chunk_token_lists(indexer, index_q, step, state)
             out = qsa_attention.sparse_attention(q, state.keys, state.values, index, valid, scale)
         return out.reshape(q.shape[0], -1)
 
     @staticmethod
-    def _chunk_token_lists(indexer, index_q: torch.Tensor, start: int, state) -> tuple[torch.Tensor, torch.Tensor]:
+    def _chunk_token_lists(indexer, index_q: torch.Tensor, step, state) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query's tokens as a list (index, valid [n, S], S = budget + ratio): the same tokens as
-        Indexer.select_mask, in ascending order; a query's list does not depend on the chunk it comes in."""
+        Indexer.select_mask, in ascending order; a query's list does not depend on the chunk it comes in. What
+        does not depend on the layer (the positions' complete blocks; the whole lists while the chunk is dense) is
+        made once per chunk, shared by every QSA layer of the step."""
         n, device = index_q.shape[0], index_q.device
-        end = start + n
-        positions = torch.arange(start, end, device=device)
-        complete = (positions + 1) // indexer.ratio
+        end = step.start + n
+        positions = step.positions
+        complete = step.shared(("complete blocks", indexer.ratio), lambda: (positions + 1) // indexer.ratio)
         capacity = state.index_keys.shape[0]
         if end <= indexer.block_topk * indexer.ratio + indexer.ratio - 1:
             # Dense: every query sees fewer than block_topk complete blocks, so ranking would keep them all.
-            chosen = torch.arange(indexer.block_topk, device=device).expand(n, -1)
-            return qsa.token_lists(chosen, complete, positions, indexer.ratio, capacity)
+            def dense():
+                chosen = torch.arange(indexer.block_topk, device=device).expand(n, -1)
+                index, valid = qsa.token_lists(chosen, complete, positions, indexer.ratio, capacity)
+                return index.to(torch.int32), valid
+            return step.shared(("dense token lists", indexer.ratio, indexer.block_topk, capacity), dense)
         blocks = state.block_keys[:end // indexer.ratio]
         width = (indexer.block_topk + 1) * indexer.ratio
         index = torch.empty(n, width, dtype=torch.int32, device=device)
