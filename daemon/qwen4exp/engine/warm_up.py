@@ -3,7 +3,8 @@
 Triton builds a binary for each kind of a kernel's int arguments (1, a multiple of 16, any other) and each set of
 its constexprs. The counts that follow a prompt's length (a chunk's rows, its expert pairs, the ids it looks up)
 are not specialized on (the kernels' do_not_specialize), so what tells a prompt chunk's binaries apart is its
-kind: one token, a few (the block products' few-row kernel past 16 rows goes to the dequantized GEMM; quantized
+kind: one token, a few (the block products' few-row kernel past 16 rows goes to the dequantized GEMM), a short
+chunk (the hyper-connection mix takes another form past 64 rows and again past hyper.SHORT_ROWS; quantized
 experts run small row blocks below 24 pairs an expert, full ones from there, and their stacks are dequantized whole
 from 64 pairs an expert: kernels/moe.py's GroupedForm), a whole chunk, from the prompt's start or past QSA's dense
 reach (where the indexer ranks blocks). Chunks start on the chunk grid
@@ -19,12 +20,13 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import moe
+from ..kernels import hyper, moe
 from .memory import release_cached_blocks
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .state import SequenceState
 
-PROMPT_ROWS = (1, 37)   # one token; a few (more than the block products' 16 rows, the experts' tiles dequantized)
+# One token; a few (more than the block products' 16 rows, the experts' tiles dequantized); a short chunk's most.
+PROMPT_ROWS = (1, 37, hyper.SHORT_ROWS)
 
 
 def full_row_blocks_from(cfg) -> int:
