@@ -65,10 +65,12 @@ for name in ("float32", "bfloat16"):
             chunk = torch.randn(length, channels, generator=gen).to(dtype)
             ours, theirs = kept[0].clone(), kept[0].clone()
             got = conv_kernels.conv_chunk(ours, chunk, weight, dilation)
+            conv.keep_last_inputs(ours, chunk)                               # as TritonOps.causal_conv moves them
             want = conv.causal_conv_chunk(theirs, chunk, weight, dilation)   # the torch form on the CPU
             results[f"{name} {label} chunk {length}"] = {
                 "out_err": (got.float() - want.float()).abs().max().item(),
-                "out_scale": want.float().abs().max().item()}
+                "out_scale": want.float().abs().max().item(),
+                "state_equal": bool(torch.equal(ours, theirs)), "state_moved": bool(not torch.equal(ours, kept[0]))}
     norm = GatedRMSNorm(dv, 1e-6, "silu")
     with torch.no_grad():
         norm.weight.copy_(torch.rand(dv, generator=gen) + 0.5)
@@ -151,8 +153,9 @@ def test_idle_rows_keep_their_state(results, dtype):
                                   "gdn conv chunk 37", "ple conv chunk 37"])
 def test_conv_kernels_match_the_torch_conv(results, dtype, conv):
     r = results[f"{dtype} {conv}"]
-    if "chunk" not in conv:     # a chunk's kept inputs move on in torch (causal_conv_chunk), not in the kernel
-        assert r["state_equal"] and r["state_moved"], "active rows shift in the new input; idle rows keep theirs"
+    # Decode: active rows shift in the new input, idle rows keep theirs. A chunk: the kept inputs move on after the
+    # kernel (conv.keep_last_inputs) to the torch form's, from the chunk alone or with the kept ones before it.
+    assert r["state_equal"] and r["state_moved"], r
     # Sums of 4 taps in float32 in another order: at most one rounding step of the output's dtype apart.
     assert r["out_err"] <= (2 ** -7 if dtype == "bfloat16" else 1e-5) * max(1.0, r["out_scale"]), r
 

@@ -30,6 +30,10 @@ def causal_conv_chunk(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
 
 
 def keep_last_inputs(state: torch.Tensor, x: torch.Tensor) -> None:
-    """state [C, L] becomes the last L inputs of its own and the chunk x [n, C] (what a kernel leaves to us)."""
+    """state [C, L] becomes the last L inputs of its own and the chunk x [n, C] (what a kernel leaves to us): the
+    chunk's alone when it has L inputs (one copy, where a concatenation would be a launch more)."""
     kept = state.shape[-1]
-    state.copy_(torch.cat((state, x[-kept:].t()), dim=-1)[:, -kept:])
+    if x.shape[0] >= kept:
+        state.copy_(x[x.shape[0] - kept:].t())
+    else:
+        state.copy_(torch.cat((state, x.t()), dim=-1)[:, -kept:])
