@@ -26,7 +26,7 @@ from .ops import TorchOps
 from .quantized import keep_quantized, regroup_q8_0
 from .triton_ops import TritonOps
 
-CHUNKS = (1, 37, 512, 1024, 2048, 4096)   # a prompt's last chunk may have any length; whole chunks 512-4096
+CHUNKS = (1, 37, 256, 512, 1024, 2048, 4096)   # a last chunk of any length (256: the short mix form); whole 512-4096
 DECODE_ROWS = range(1, MAX_SLOTS + 1)
 CAPACITY = 65536                           # a multiple of the planner's granule, as fitted contexts are
 DTYPE = torch.bfloat16
