@@ -60,8 +60,9 @@ def test_prompt_chunks_share_the_experts_launch_in_the_form_each_takes_alone(mon
                              down_proj=QuantizedStack("Q8_0", (experts, hidden, 32), torch.bfloat16))
     launches = []
 
-    def grouped(x, ids, weights, gate_up, down, form=None):
+    def grouped(x, ids, weights, gate_up, down, form=None, shared=None):
         launches.append((x.shape[0], form or moe.grouped_form(gate_up, down, ids.numel())))
+        assert shared is not None and shared[0].shape == x.shape    # each chunk's shared term, joined as its rows
         return torch.zeros_like(x)
 
     def route(x, step):
