@@ -164,13 +164,20 @@ def _unit_spread() -> float:
     return float(values[~values.isnan()].std())
 
 
+# The bytes of blocks whose NaN mask is made at once: the mask's two temporaries over the whole FP8 PLE table (a
+# 54 GiB pinned table in host memory) would need twice the table again, more than a 128 GiB host has.
+FILL_BYTES_AT_ONCE = 1 << 28
+
+
 def fill_random_blocks(blocks: torch.Tensor, qtype: str, std: float, seed: int) -> None:
     """Random `qtype` blocks in place (uint8 [..., row bytes], on any device): every float8 byte but NaN's, under one
     scale that gives the values a spread of `std` (a random-weight model too large for a checkpoint on disk)."""
     run = KEPT_TYPES[qtype]
     blocks.random_(0, 256, generator=torch.Generator(device=blocks.device).manual_seed(seed))
     view = blocks.view(-1, 4 + run)
-    values = view[:, 4:]
-    values.masked_fill_((values & 0x7F) == 0x7F, 0x7E)                 # 0x7F and 0xFF are NaN in e4m3fn
+    rows = max(1, FILL_BYTES_AT_ONCE // view.shape[1])
+    for start in range(0, view.shape[0], rows):
+        values = view[start:start + rows, 4:]
+        values.masked_fill_((values & 0x7F) == 0x7F, 0x7E)             # 0x7F and 0xFF are NaN in e4m3fn
     scale = torch.tensor([std / _unit_spread()], dtype=torch.float32).view(torch.uint8)
     view[:, :4] = scale.to(blocks.device)
