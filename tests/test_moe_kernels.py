@@ -257,6 +257,22 @@ def check_in_register_dequantization_is_the_torch_forms_bit_for_bit():
         table = blocks.reshape(6, -1)
         ids = torch.tensor([[5, 0], [5, 2]])
         assert torch.equal(gather_rows(table, qtype, ids, torch.bfloat16), want.reshape(6, -1)[ids].bfloat16())
+    for qtype in ("FP8_B32", "FP8_B128"):
+        blocks = every_finite_e4m3_byte(qtype)
+        assert torch.equal(dequantize_rows(blocks, qtype).view(torch.int32),
+                           dequantize(blocks, qtype).view(torch.int32)), qtype
+
+
+def every_finite_e4m3_byte(qtype: str):
+    """FP8 blocks (a row of 256 values) holding each of float8 e4m3's 254 finite bytes, subnormals and both zeros
+    among them, under scales from 2^-20 to 3: random float8 values of a checkpoint's spread miss some of them."""
+    import torch
+
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F] + [0, 0x80], dtype=torch.uint8)
+    run = 32 if qtype == "FP8_B32" else 128
+    values = finite.view(-1, run)
+    scales = torch.tensor([2.0 ** -20, 3.0, 0.0071, 1.0 / 3] * 2)[: values.shape[0]]
+    return torch.cat([scales.view(torch.uint8).view(-1, 4), values], dim=1).reshape(1, -1)
 
 
 def decode_kernels_read_each_weight_exactly(device: str) -> None:
@@ -441,6 +457,10 @@ def test_block_kernels_on_the_gpu():
         assert all(torch.equal(a, b) for a, b in zip(got, group_pairs_in_torch(ids.cuda(), experts, block_m)))
     for qtype in QTYPES:
         blocks = torch.from_numpy(random_blocks(qtype, (64, 2560), 0.5, 3)).cuda()
+        assert torch.equal(dequantize_rows(blocks, qtype).view(torch.int32),
+                           dequantize(blocks, qtype).view(torch.int32)), qtype
+    for qtype in ("FP8_B32", "FP8_B128"):
+        blocks = every_finite_e4m3_byte(qtype).cuda()
         assert torch.equal(dequantize_rows(blocks, qtype).view(torch.int32),
                            dequantize(blocks, qtype).view(torch.int32)), qtype
     gen = torch.Generator().manual_seed(9)

@@ -75,28 +75,34 @@ class NGramEmbedding(nn.Module):
             groups.append(rows + self.ngram_heads_offsets[heads])
         return torch.cat(groups, dim=-1)
 
-    def chunk_rows(self, token_ids: torch.Tensor, context_ids: torch.Tensor, lookup) -> torch.Tensor:
+    def chunk_rows(self, token_ids: torch.Tensor, context_ids: torch.Tensor, lookup,
+                   hash_rows=None) -> torch.Tensor:
         """A chunk of one sequence (token_ids [n] after its context ids) -> concatenated head embeddings
-        [n, ple_embed_dim], the table's rows read by lookup(table, rows); advances the id context."""
+        [n, ple_embed_dim], the table's rows read by lookup(table, rows); advances the id context. `hash_rows`:
+        kernels/ngram_rows.py's form of the rows (the same rows), bound to this table's constants, else torch's."""
         n = token_ids.numel()
         history = torch.cat((context_ids, token_ids.long()))
-        rows = self.hash_ids(history, n)
+        rows = self.hash_ids(history, n) if hash_rows is None else hash_rows(history[None], n)[0]
         context_ids.copy_(history[-context_ids.numel():])
         return lookup(self.ngram_embedding, rows).flatten(-2)
 
     def step_rows(self, token_ids: torch.Tensor, context_ids: torch.Tensor, active: torch.Tensor,
-                  lookup) -> torch.Tensor:
+                  lookup, hash_rows=None) -> torch.Tensor:
         """One token per row (token_ids [N], context ids [N, ngram_size - 1]): embeddings [N, ple_embed_dim]; the
         id context of active rows advances. A predecessor counts only if no EOS lies between it and the token
-        (the same rule as `_shifted`)."""
+        (the same rule as `_shifted`). `hash_rows` as chunk_rows'."""
         history = torch.cat((context_ids, token_ids.long()[:, None]), dim=1)   # [N, ngram_size]
-        eos = torch.full_like(token_ids, self.eos)
-        shifted = [history[:, -1]]
-        for s in range(1, self.ngram_size):
-            crossed = (history[:, -1 - s:-1] == self.eos).any(dim=1)
-            shifted.append(torch.where(crossed, eos, history[:, -1 - s]))
+        if hash_rows is None:
+            eos = torch.full_like(token_ids, self.eos)
+            shifted = [history[:, -1]]
+            for s in range(1, self.ngram_size):
+                crossed = (history[:, -1 - s:-1] == self.eos).any(dim=1)
+                shifted.append(torch.where(crossed, eos, history[:, -1 - s]))
+            rows = self._hash(shifted)
+        else:
+            rows = hash_rows(history, 1)[:, 0]
         context_ids.copy_(torch.where(active[:, None], history[:, 1:], context_ids))
-        return lookup(self.ngram_embedding, self._hash(shifted)).flatten(-2)
+        return lookup(self.ngram_embedding, rows).flatten(-2)
 
 
 class PLELayer(nn.Module):

@@ -19,7 +19,7 @@ from ...kernels import conv as conv_kernels
 from ...kernels import delta_rule as delta_rule_kernels
 from ...kernels import gate_product as gate_product_kernels
 from ...kernels import block_products, gated_norm, hyper, moe, qsa_attention, qsa_select, quant_tiles
-from ...kernels import rope, router
+from ...kernels import ngram_rows, rope, router
 from ...kernels import row_products
 from .. import hot_experts
 from . import conv, delta_rule, qsa
@@ -101,6 +101,15 @@ class TritonOps(TorchOps):
         shared = tuple(torch.cat([r[3][i] for r in routed]) for i in range(2))
         out = self.experts(x, ids, weights, experts, shared, steps[0], form=forms.pop())
         return list(out.split([r[0].shape[0] for r in routed]))
+
+    def ngram_embedding(self, embedding, step, context_ids):
+        # The n-gram rows in one launch (kernels/ngram_rows.py: the torch form's rows exactly)
+        hash_rows = functools.partial(ngram_rows.ngram_rows, eos=embedding.eos,
+                                      multipliers=embedding.layer_multipliers,
+                                      sizes=embedding.ngram_heads_vocab_sizes, offsets=embedding.ngram_heads_offsets)
+        if step.decode:
+            return embedding.step_rows(step.token_ids, context_ids, step.active, self.table_rows, hash_rows)
+        return embedding.chunk_rows(step.token_ids, context_ids, self.table_rows, hash_rows)
 
     def table_rows(self, table, rows):
         # A quantized table's rows dequantized in one launch (bit for bit the torch form's values)
