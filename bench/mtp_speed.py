@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.request import Request
 from qwen4exp.engine.speculative import Drafter
-from speed import sync, timed        # bench/speed.py: this directory is on the path when run as a script
+from speed import commit, sync, timed        # bench/speed.py: this directory is on the path when run as a script
 
 ACCEPTANCE_LENGTH = 2.6
 
@@ -248,9 +247,7 @@ def main() -> None:
                              mtp_head=True, ple_on_host=args.ple == "host")
     if model.mtp is None:
         raise SystemExit("error: the model has no MTP head")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip() or None
-    result = {"date": datetime.date.today().isoformat(), "commit": commit, "device": str(device),
+    result = {"date": datetime.date.today().isoformat(), "commit": commit(), "device": str(device),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "model": args.checkpoint or f"random {args.preset}, {args.layers} layers"
                        + (f", {args.quant} (the MTP head dense), PLE on the {args.ple}" if args.quant else ""),

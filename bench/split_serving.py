@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from qwen4exp.engine.engine_config import EngineConfig
 from qwen4exp.engine.fit_estimate import model_facts
 from qwen4exp.engine.memory import set_device_memory_limit
 from qwen4exp.engine.request import Request
+from speed import commit     # bench/speed.py: this directory is on the path when run as a script
 
 SHORT = 128          # tokens of a short prompt
 LONG = 96 * 1024     # the long prompt beside three short ones
@@ -86,8 +86,7 @@ def main() -> int:
     fit = choice.fit
     result = {
         "date": datetime.date.today().isoformat(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
+        "commit": commit(),
         "machine": torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu",
         "devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
         "args": vars(args), "placement": (model.placement or placement).to_json(), "ple_on_host": ple_on_host,

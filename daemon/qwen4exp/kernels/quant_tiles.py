@@ -93,8 +93,8 @@ if triton is not None:
         """The float8 e4m3 byte at `ptr` as float32, divided by 256, exactly: its sign, exponent and mantissa bits
         moved into a float16's places (sign to bit 15, the rest up 7) spell value x 2^-8, subnormals included, for
         float16's exponent bias is 8 more than e4m3's; a bit move and one conversion, where rebuilding float32's
-        fields took some twelve operations a value. The NaN bytes 0x7F and 0xFF read as +-480 (no checkpoint
-        holds them, and fp8.fill_random_blocks draws none)."""
+        fields took some twelve operations a value. The NaN bytes 0x7F and 0xFF read as +-1.875 here, +-480 once
+        scaled (no checkpoint holds them, and fp8.fill_random_blocks draws none)."""
         byte = _u8(ptr, mask)
         half = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
         return half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
