@@ -315,6 +315,27 @@ def test_random_blocks_reach_every_byte_and_keep_the_spread_asked(qtype):
     assert len(np.unique(blocks)) == 256
 
 
+@pytest.mark.parametrize("qtype", ["FP8_B32", "IQ4_NL"])
+def test_a_host_table_drawn_a_slice_at_a_time_is_whole_and_the_same_each_time(monkeypatch, qtype):
+    """random_weights.fill_through, how a PLE table in host memory is drawn beside a model on a GPU (here the CPU
+    stands in for the GPU): slices of 5 rows, the last one short, fill every row (no NaN byte, every block's scale
+    set), and the same seed draws the same table."""
+    from qwen4exp.checkpoint import random_weights
+    from qwen4exp.engine.model.quant_blocks import dequantize
+
+    row_bytes = 4 * 36 if qtype == "FP8_B32" else 4 * 18
+    monkeypatch.setattr(random_weights, "HOST_SLICE_BYTES", 5 * row_bytes)
+    tables = []
+    for _ in range(2):
+        table = torch.zeros(23, row_bytes, dtype=torch.uint8)
+        random_weights.fill_through(table, qtype, 1.0, seed=4, device=torch.device("cpu"))
+        tables.append(table)
+    assert torch.equal(tables[0], tables[1])
+    values = dequantize(tables[0], qtype)
+    assert torch.isfinite(values).all() and (values != 0).any(dim=1).all()       # every row drawn, its last too
+    assert 0.5 < float(values.std()) < 2
+
+
 @pytest.mark.parametrize("name, shape, message", [
     ("blk.0.ffn_gate_exps.weight", (6, 32, 64), r"expects \[8, 32, 64\]"),        # a kept expert stack
     ("output.weight", (1000, 64), r"expects \[1024, 64\]"),                       # the LM head, Q8_0

@@ -50,17 +50,39 @@ def fill_random(model: Qwen4ExpForCausalLM, text: dict, seed: int, dtype: torch.
     return written
 
 
+# Bytes of a table in host memory drawn at a time on the model's GPU (then copied to its place).
+HOST_SLICE_BYTES = 1 << 30
+
+
 @torch.no_grad()
 def fill_random_stacks(model: Qwen4ExpForCausalLM, seed: int) -> int:
     """Random blocks (gguf_blocks.fill_random_blocks) in every QuantizedStack of `model`, with the spread of the
-    dense draw they stand for (an expert's fan-in; the PLE table's unit normal); returns the bytes written."""
+    dense draw they stand for (an expert's fan-in; the PLE table's unit normal); returns the bytes written. A
+    stack kept in host memory beside a model on a GPU (the PLE table: 29-58 GB) is drawn on the GPU a slice at a
+    time (fill_through): drawn by the host's CPU it took minutes of a benchmark's start."""
     written = 0
+    device = model.lm_head.weight.device
     for index, (name, module) in enumerate(model.named_modules()):
         if isinstance(module, QuantizedStack):
             std = 1.0 if name.endswith("ngram_embedding") else module.shape[-1] ** -0.5
-            fill_random_blocks(module.blocks, module.qtype, std, seed * 1000003 + index)
+            if module.host and device.type != "cpu":
+                fill_through(module.blocks, module.qtype, std, seed * 1000003 + index, device)
+            else:
+                fill_random_blocks(module.blocks, module.qtype, std, seed * 1000003 + index)
             written += module.blocks.numel()
     return written
+
+
+def fill_through(blocks: torch.Tensor, qtype: str, std: float, seed: int, device: torch.device) -> None:
+    """Random `qtype` blocks into `blocks` (rows of whole blocks, anywhere), drawn on `device` HOST_SLICE_BYTES at a
+    time, slice i with seed (seed, i), and copied into place."""
+    rows = blocks.view(-1, blocks.shape[-1])
+    step = max(1, HOST_SLICE_BYTES // rows.shape[1])
+    staging = torch.empty(min(step, rows.shape[0]), rows.shape[1], dtype=torch.uint8, device=device)
+    for i, start in enumerate(range(0, rows.shape[0], step)):
+        part = staging[:min(step, rows.shape[0] - start)]
+        fill_random_blocks(part, qtype, std, seed * 65537 + i)
+        rows[start:start + part.shape[0]].copy_(part)
 
 
 def random_model(preset: str = "bench", layers: int | None = None, dtype: torch.dtype | str = torch.bfloat16,
