@@ -175,9 +175,7 @@ def fill_random_blocks(blocks: torch.Tensor, qtype: str, std: float, seed: int) 
     run = KEPT_TYPES[qtype]
     blocks.random_(0, 256, generator=torch.Generator(device=blocks.device).manual_seed(seed))
     view = blocks.view(-1, 4 + run)
-    rows = max(1, FILL_BYTES_AT_ONCE // view.shape[1])
-    for start in range(0, view.shape[0], rows):
-        values = view[start:start + rows, 4:]
+    for values in view[:, 4:].split(max(1, FILL_BYTES_AT_ONCE // view.shape[1])):
         values.masked_fill_((values & 0x7F) == 0x7F, 0x7E)             # 0x7F and 0xFF are NaN in e4m3fn
     scale = torch.tensor([std / _unit_spread()], dtype=torch.float32).view(torch.uint8)
     view[:, :4] = scale.to(blocks.device)

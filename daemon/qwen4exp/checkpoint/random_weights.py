@@ -77,12 +77,12 @@ def fill_through(blocks: torch.Tensor, qtype: str, std: float, seed: int, device
     """Random `qtype` blocks into `blocks` (rows of whole blocks, anywhere), drawn on `device` HOST_SLICE_BYTES at a
     time, slice i with seed (seed, i), and copied into place."""
     rows = blocks.view(-1, blocks.shape[-1])
-    step = max(1, HOST_SLICE_BYTES // rows.shape[1])
-    staging = torch.empty(min(step, rows.shape[0]), rows.shape[1], dtype=torch.uint8, device=device)
-    for i, start in enumerate(range(0, rows.shape[0], step)):
-        part = staging[:min(step, rows.shape[0] - start)]
+    slices = rows.split(max(1, HOST_SLICE_BYTES // rows.shape[1]))
+    staging = torch.empty(slices[0].shape, dtype=torch.uint8, device=device)
+    for i, target in enumerate(slices):
+        part = staging[:target.shape[0]]
         fill_random_blocks(part, qtype, std, seed * 65537 + i)
-        rows[start:start + part.shape[0]].copy_(part)
+        target.copy_(part)
 
 
 def random_model(preset: str = "bench", layers: int | None = None, dtype: torch.dtype | str = torch.bfloat16,
