@@ -10,7 +10,10 @@ The engine's grouped GEMMs read a tile of
   down kernel with FORM "groups");
 * gate/up over Q4_K as the quarters of a 256-value block, each tile a block's 32 quant bytes at the block's start
   plus constants, the scale fields as 32-bit words (moe_blocks._grouped_gate_up_q4k_kernel); `bytes`: the generic
-  kernel (_grouped_gate_up_blocks_kernel), a lane a value.
+  kernel (_grouped_gate_up_blocks_kernel), a lane a value;
+* either product over FP8_B128 (`--types gate/up:FP8_B128,down:FP8_B128`) as 32-bit words of four values
+  (quant_tiles.fp8_b128_words_tile), in both variants: weight_tile reads that type so whatever the kernel, so
+  compare its forms by running this under each tree.
 
 Each tile holds the same values in the same places, so under the interpreter the outputs are equal bit for bit;
 compiled, the tensor cores may sum a tile's products in another order for another register layout (`equal` says
@@ -117,14 +120,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--rows", default="128,512,1024,2048")
+    parser.add_argument("--types", default="gate/up:Q4_K,down:Q5_1,down:Q8_0",
+                        help="product:type pairs (FP8_B128 for an FP8 checkpoint's experts)")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
     if args.check:
         check()
         return
     results = []
-    cases = [("gate/up", "Q4_K", (EXPERTS, 2 * INTER, HIDDEN)), ("down", "Q5_1", (EXPERTS, HIDDEN, INTER)),
-             ("down", "Q8_0", (EXPERTS, HIDDEN, INTER))]
+    shapes = {"gate/up": (EXPERTS, 2 * INTER, HIDDEN), "down": (EXPERTS, HIDDEN, INTER)}
+    cases = [(product, qtype, shapes[product]) for product, qtype in (p.split(":") for p in args.types.split(","))]
     for product, qtype, shape in cases:
         stack = make_stack(qtype, shape, "cuda", 2)
         for rows in (int(r) for r in args.rows.split(",")):

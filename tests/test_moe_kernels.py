@@ -223,9 +223,11 @@ def check_cpu_models_take_the_torch_forms():
 # Expert stacks kept as blocks (kernels/moe_blocks.py): each pair (gate/up type, down type) as a GGUF may mix
 # them, together reaching every block type, and each 32-value one as a down type; K-quant and IQ4_XS rows hold whole
 # 256-value blocks. The FP8 types are an FP8 checkpoint's (checkpoint/fp8.py): 128-value runs where the widths allow,
-# 32 where not.
+# 32 where not; rows of two FP8_B128 blocks take the grouped GEMMs' word tile (quant_tiles.fp8_b128_words_tile) across
+# a block's end.
+WHOLE_256 = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "FP8_B128")    # down types whose rows hold 256 values
 BLOCK_PAIRS = [("Q4_K", "Q5_1"), ("Q5_K", "Q8_0"), ("Q6_K", "Q4_0"), ("IQ4_XS", "IQ4_NL"), ("Q4_1", "Q5_0"),
-               ("Q5_0", "Q4_1"), ("Q8_0", "Q6_K"), ("FP8_B128", "FP8_B32")]
+               ("Q5_0", "Q4_1"), ("Q8_0", "Q6_K"), ("FP8_B128", "FP8_B32"), ("FP8_B32", "FP8_B128")]
 QH, QI = 256, 64
 
 
@@ -320,7 +322,7 @@ def check_block_stacks_give_their_dense_twins_results():
 
     gen = torch.Generator().manual_seed(7)
     for gate_up_type, down_type in BLOCK_PAIRS:
-        inter = 256 if down_type in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else QI
+        inter = 256 if down_type in WHOLE_256 else QI
         gate_up, down = _stack(gate_up_type, (E, 2 * inter, QH), 1), _stack(down_type, (E, QH, inter), 2)
         twin_gate_up, twin_down = gate_up.dequantize(), down.dequantize()
         # 5 tokens: small row blocks; 120 tokens: 30 pairs an expert, the tiles dequantized in the GEMMs over
@@ -465,7 +467,7 @@ def test_block_kernels_on_the_gpu():
                            dequantize(blocks, qtype).view(torch.int32)), qtype
     gen = torch.Generator().manual_seed(9)
     for gate_up_type, down_type in BLOCK_PAIRS:
-        inter = 256 if down_type in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else QI
+        inter = 256 if down_type in WHOLE_256 else QI
         gate_up = _stack(gate_up_type, (E, 2 * inter, QH), 1).cuda()
         down = _stack(down_type, (E, QH, inter), 2).cuda()
         for rows, kernel, tolerance in ((4, moe_rows, REL_TOL), (40, moe_grouped, 2e-3), (120, moe_grouped, 2e-3)):

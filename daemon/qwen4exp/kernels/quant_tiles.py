@@ -95,7 +95,11 @@ if triton is not None:
         float16's exponent bias is 8 more than e4m3's; a bit move and one conversion, where rebuilding float32's
         fields took some twelve operations a value. The NaN bytes 0x7F and 0xFF read as +-1.875 here, +-480 once
         scaled (no checkpoint holds them, and fp8.fill_random_blocks draws none)."""
-        byte = _u8(ptr, mask)
+        return _e4m3_bits_over_256(_u8(ptr, mask))
+
+    @triton.jit
+    def _e4m3_bits_over_256(byte):
+        """_e4m3_over_256's value of the e4m3 bits in the low byte of the integer `byte`."""
         half = ((byte & 0x80) << 8) | ((byte & 0x7F) << 7)
         return half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
@@ -343,9 +347,27 @@ if triton is not None:
         """The [BLOCK_K, BLOCK_N] tile of columns start..limit of BLOCK_N weight rows (`rows` [1, 1, BLOCK_N] byte
         pointers, `feat_ok` which exist), dequantized and rounded to `dtype`, laid out as tl.dot's right operand
         (the tensor-core products over blocks: moe_blocks.py, block_products.py)."""
+        if QTYPE == "FP8_B128" and 128 % BLOCK_K == 0:
+            return fp8_b128_words_tile(rows, start, feat_ok, dtype, INTERPRETED, BLOCK_K, BLOCK_N)
         col = start + (tl.arange(0, BLOCK_K // LANES) * LANES)[:, None, None]
         lane = tl.arange(0, LANES)[None, :, None]
         values = dequantize_groups(rows, col, lane, (col < limit) & feat_ok, grid_ptr, QTYPE)
+        return round_to(tl.reshape(values, [BLOCK_K, BLOCK_N]), dtype, INTERPRETED)
+
+    @triton.jit
+    def fp8_b128_words_tile(rows, start, feat_ok, dtype: tl.constexpr, INTERPRETED: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+        """weight_tile's tile of FP8_B128 rows (`rows` [1, 1, BLOCK_N], 4-byte aligned as _f32_at needs; `start` a
+        multiple of BLOCK_K, which divides 128, below the rows' length, a multiple of 128: the tile lies whole in
+        one block of each row, so only `feat_ok` masks it): a row's BLOCK_K value bytes as 32-bit words (a load per
+        four values; 132-byte blocks keep them 4-byte aligned, no wider) and its block's scale once. Each value is dequantize_groups', formed the same way; the words' bytes are put back in
+        column order (byte j of word w is column 4w + j, little-endian)."""
+        base = rows + (start // 128) * 132
+        scale = _f32_at(base, feat_ok) * 256.0
+        word = tl.arange(0, BLOCK_K // 4)[:, None, None]
+        words = tl.load((base + 4 + start % 128).to(tl.pointer_type(tl.uint32)) + word, mask=feat_ok, other=0)
+        byte = (words >> (tl.arange(0, 4) * 8).to(tl.uint32)[None, :, None]) & 0xFF      # [BLOCK_K // 4, 4, BLOCK_N]
+        values = scale * _e4m3_bits_over_256(byte)
         return round_to(tl.reshape(values, [BLOCK_K, BLOCK_N]), dtype, INTERPRETED)
 
     # Not specialized on the count of ids (one binary a type and row length); the row length and bytes are, as
