@@ -310,6 +310,41 @@ def check_the_decode_kernels_read_each_weight_as_the_torch_form_gives_it():
     decode_kernels_read_each_weight_exactly("cpu")
 
 
+def grouped_down_reads_each_weight_exactly(device: str) -> None:
+    """The prompt's grouped down GEMM over every expert block type, in the form it reads that type's tiles in
+    (halves, a lane a value, FP8_B128's words) and in both row blocks: with each pair's h one column's indicator
+    and its route weight 1, a pair's output is that column of its expert's weight, the torch form's value rounded
+    to bfloat16 as a tile rounds it (every other product is an exact zero, so no summation order shows)."""
+    import torch
+    from torch.nn.functional import one_hot
+
+    from qwen4exp.engine.model.quant_blocks import dequantize
+    from qwen4exp.kernels import moe, moe_blocks
+    from qwen4exp.kernels.expert_groups import group_pairs_by_expert
+    from qwen4exp.kernels.guard import interpreted
+    from qwen4exp.kernels.quant_tiles import QTYPES
+
+    features, length = 32, 256                    # 256: whole blocks of every type, four of a tile's 64-value steps
+    columns = torch.arange(3, length, 11)          # in every block and sub-block
+    ids = (columns % 3).reshape(-1, 1)             # one pair a row (top-1), its column on one of 3 experts
+    for qtype in (q for q in QTYPES if q != "Q8_0_R"):
+        down = _stack(qtype, (3, features, length), 6).to(device)
+        want = dequantize(down.blocks.cpu(), qtype)[ids[:, 0], :, columns].bfloat16()
+        for block_m in (moe.SMALL_BLOCK_M, moe.GROUPED_BLOCK_M):
+            pair_of_row, expert_of_block = group_pairs_by_expert(ids.to(device), 3, block_m)
+            pair = pair_of_row.long().clamp(max=len(columns) - 1)     # a padding row's h is never stored
+            h = one_hot(columns.to(device)[pair], length).bfloat16()
+            y = torch.full((len(columns), features), float("nan"), dtype=torch.bfloat16, device=device)
+            _, config = moe.grouped_configs(h.device, h.element_size(), block_m)
+            moe_blocks.grouped_down(h, pair_of_row, expert_of_block, torch.ones(len(columns), 1).bfloat16().to(device),
+                                    down, y, len(columns), config, dict(INTERPRETED=interpreted(h), BLOCK_M=block_m))
+            assert torch.equal(y.cpu(), want), (qtype, block_m)
+
+
+def check_the_grouped_down_gemm_reads_each_weight_as_the_torch_form_gives_it():
+    grouped_down_reads_each_weight_exactly("cpu")
+
+
 def check_block_stacks_give_their_dense_twins_results():
     """moe_grouped over quantized stacks (tiles dequantized in the GEMMs, or the stacks dequantized whole for a
     long chunk) gives what the dense kernel gives on the stacks' dense twins (the dequantized experts in
@@ -453,6 +488,7 @@ def test_block_kernels_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     decode_kernels_read_each_weight_exactly("cuda")
+    grouped_down_reads_each_weight_exactly("cuda")
     from qwen4exp.kernels.expert_groups import group_pairs_by_expert, group_pairs_in_torch
     for ids, experts, block_m in _layout_cases():
         got = group_pairs_by_expert(ids.cuda(), experts, block_m)
