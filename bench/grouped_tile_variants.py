@@ -78,11 +78,13 @@ def chunk(rows: int, experts: int, hidden: int, inter: int, top_k: int, device, 
     return (x, h, pair_of_row, expert_of_block, weights), block_m
 
 
-def both(product: str, stack, args, block_m: int, top_k: int):
-    """{"engine": output, "bytes": output} of one product over `stack`, and a function running each."""
+def both(product: str, stack, args, block_m: int, top_k: int, override: dict | None = None):
+    """{"engine": output, "bytes": output} of one product over `stack`, and a function running each; with
+    `override` (launch config entries: block shapes, warps, stages) the engine's kernel alone, so configured."""
     x, h, pair_of_row, expert_of_block, weights = args
     pairs = x.shape[0] * top_k
-    gate_up_config, down_config = moe.grouped_configs(x.device, x.element_size(), block_m)
+    gate_up_config, down_config = (config | (override or {})
+                                   for config in moe.grouped_configs(x.device, x.element_size(), block_m))
     common = dict(INTERPRETED=interpreted(x), BLOCK_M=block_m)
     outs, runs = {}, {}
     if product == "gate/up":
@@ -97,7 +99,7 @@ def both(product: str, stack, args, block_m: int, top_k: int):
                     ("bytes", lambda out: bytes_down(h, pair_of_row, expert_of_block, weights, stack, out, pairs,
                                                      down_config, common)))
         shape = (pairs, x.shape[1])
-    for name, launch in launches:
+    for name, launch in launches[:1] if override else launches:     # a config's sweep times the engine's tile
         out = torch.zeros(shape, device=x.device, dtype=x.dtype)
         runs[name] = lambda launch=launch, out=out: launch(out)
         runs[name]()
@@ -122,6 +124,9 @@ def main() -> None:
     parser.add_argument("--rows", default="128,512,1024,2048")
     parser.add_argument("--types", default="gate/up:Q4_K,down:Q5_1,down:Q8_0",
                         help="product:type pairs (FP8_B128 for an FP8 checkpoint's experts)")
+    parser.add_argument("--configs", default="",
+                        help="launch configs to time beside the engine's, ';'-separated, each as "
+                             "BLOCK_N=128,num_warps=8,num_stages=3 (any subset)")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
     if args.check:
@@ -139,6 +144,13 @@ def main() -> None:
                      "equal": torch.equal(outs["engine"], outs["bytes"])}
             for name, run in runs.items():
                 entry[f"{name} ms"] = round(triton.testing.do_bench(run), 4)
+            for text in filter(None, args.configs.split(";")):
+                override = {key: int(value) for key, value in (item.split("=") for item in text.split(","))}
+                try:
+                    outs, runs = both(product, stack, launch_args, block_m, TOP_K, override)
+                    entry[f"engine ms at {text}"] = round(triton.testing.do_bench(runs["engine"]), 4)
+                except Exception as error:  # noqa: BLE001 - a config the device cannot build is reported
+                    entry[f"engine ms at {text}"] = f"failed: {type(error).__name__}"
             print(json.dumps(entry), flush=True)
             results.append(entry)
             save(args.out, results)
