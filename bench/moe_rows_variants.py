@@ -3,6 +3,7 @@ form kernels/moe_blocks.py's row kernels should take).
 
     python bench/moe_rows_variants.py --out variants.json [--busy 1,4]      # a GPU
     python bench/moe_rows_variants.py --sweep --out variants.json            # and other tilings
+    python bench/moe_rows_variants.py --fp8 --out variants.json              # an FP8 checkpoint's experts
     TRITON_INTERPRET=1 python bench/moe_rows_variants.py --check            # each variant against the shipped one
 
 The engine's down kernel (moe_blocks.rows_down) reads a row of a 32-value type (Q5_1, Q8_0) a few blocks a step,
@@ -38,6 +39,7 @@ from qwen4exp.kernels.quant_tiles import grid_for, row_form
 EXPERTS, HIDDEN, INTER, TOP_K, SLOTS = 512, 2560, 640, 10, 4
 # (product, type): UD-Q4_K_XL's gate/up and its two down types, and Q8_0 gate/up (the q8_0 mix)
 CASES = [("gate/up", "Q4_K"), ("down", "Q5_1"), ("down", "Q8_0"), ("gate/up", "Q8_0")]
+FP8_CASES = [("gate/up", "FP8_B128"), ("down", "FP8_B128")]       # an FP8 checkpoint's experts (--fp8)
 
 
 def engine_gate_up(x, ids, flags, stack, h, top_k, config):
@@ -72,17 +74,18 @@ def variants(kind: str, qtype: str, sweep: bool = True) -> dict:
     out = {f"shipped {kind} {qtype}": (shipped_gate_up if kind == "gate/up" else shipped_down, {})}
     if kind == "down":
         out["groups down n16 g4 w4"] = (engine_down, {"FORM": "groups", "BLOCK_N": 16, "GROUPS": 4, "num_warps": 4})
-    if (kind, qtype) == ("gate/up", "Q4_K"):
+    if (kind, qtype) in (("gate/up", "Q4_K"), ("gate/up", "FP8_B128")):
         out["groups gate/up n8 g16 w4"] = (engine_gate_up, {"FORM": "groups", "BLOCK_N": 8, "GROUPS": 16,
                                                             "num_warps": 4})
-    if row_form(qtype) != "halves":
+    form = row_form(qtype)
+    if form not in ("halves", "words"):
         return out
     launch = engine_gate_up if kind == "gate/up" else engine_down
     for block_n in (8, 16, 32) if sweep else (8,):
         for groups in (2, 4, 8) if sweep else (8,):
             for warps in (2, 4) if sweep else (4,):
-                out[f"halves {kind} n{block_n} g{groups} w{warps}"] = (
-                    launch, {"FORM": "halves", "BLOCK_N": block_n, "GROUPS": groups, "num_warps": warps})
+                out[f"{form} {kind} n{block_n} g{groups} w{warps}"] = (
+                    launch, {"FORM": form, "BLOCK_N": block_n, "GROUPS": groups, "num_warps": warps})
     return out
 
 
@@ -109,10 +112,10 @@ def compare(got: torch.Tensor, want: torch.Tensor, rows: torch.Tensor) -> float:
 
 def check(device: str) -> None:
     """Each variant against the engine's configuration at small sizes (under the interpreter on a CPU)."""
-    experts, hidden, inter, top_k = 6, 512, 64, 2
+    experts, hidden, inter, top_k = 6, 512, 128, 2
     x, ids, weights, flags, h_in = inputs(SLOTS, 3, experts, hidden, inter, top_k, device, 0)
     live = flags.repeat_interleave(top_k).bool()
-    for kind, qtype in CASES:
+    for kind, qtype in CASES + FP8_CASES:
         gate_up = kind == "gate/up"
         stack = make_stack(qtype, (experts, 2 * inter, hidden) if gate_up else (experts, hidden, inter), device, 1)
         want = None
@@ -135,6 +138,7 @@ def main() -> None:
     parser.add_argument("--busy", default="1,4")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--sweep", action="store_true", help="also other tilings of each type's form")
+    parser.add_argument("--fp8", action="store_true", help="FP8_B128 experts (an FP8 checkpoint's) in place of GGUF's")
     args = parser.parse_args()
     if args.check:
         check("cuda" if torch.cuda.is_available() else "cpu")
@@ -143,7 +147,7 @@ def main() -> None:
     from graph_timing import graph_us
     calls = 16                           # each call's rows pick other experts: the weights stream from memory
     stacks = {case: make_stack(case[1], (EXPERTS, 2 * INTER, HIDDEN) if case[0] == "gate/up" else
-                               (EXPERTS, HIDDEN, INTER), "cuda", 1) for case in CASES}
+                               (EXPERTS, HIDDEN, INTER), "cuda", 1) for case in (FP8_CASES if args.fp8 else CASES)}
     results = []
     for busy in (int(b) for b in args.busy.split(",")):
         draws = [inputs(SLOTS, busy, EXPERTS, HIDDEN, INTER, TOP_K, "cuda", seed) for seed in range(calls)]

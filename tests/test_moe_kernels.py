@@ -291,7 +291,7 @@ def decode_kernels_read_each_weight_exactly(device: str) -> None:
     from qwen4exp.kernels.quant_tiles import HALVES
 
     rows = 16
-    for qtype in HALVES + ("Q4_K", "Q6_K"):
+    for qtype in HALVES + ("Q4_K", "Q6_K", "FP8_B128", "FP8_B32"):
         # 160: 5 blocks, the halves form's 4-block steps, the second cut short; 512: 4 of the byte form's steps
         length = 160 if qtype in HALVES else 512
         down = _stack(qtype, (3, rows, length), 5).to(device)

@@ -7,12 +7,13 @@ dequantizes them in registers (quant_tiles.py), in tiles of whole blocks:
 * decode (`rows_gate_up`, `rows_down`): a (row, slot) pair's matrix-vector products, as moe.py's dense ones:
   tiles of BLOCK_N weight rows against the row's values, float32 sums, fixed grids (CUDA-graph safe); gate/up over
   Q4_K a 256-value block a step, gate and up in one loop (its bytes as vectors), over the other types gate and up
-  each in a pass of their own, GROUPS 32-value groups a step, a byte a value; down over a GGML 32-value type (the
-  down types of llama.cpp's mixes, whose 640-value rows hold no whole 256-value block) GROUPS blocks a step, each
-  read as two runs of 16 values in whole runs of bytes (quant_tiles.row_form), over the others as gate/up;
+  each in a pass of their own, GROUPS 32-value groups a step, a byte a value (FP8_B128 a 32-bit word of four);
+  down over a GGML 32-value type (the down types of llama.cpp's mixes, whose 640-value rows hold no whole 256-value
+  block) GROUPS blocks a step, each read as two runs of 16 values in whole runs of bytes (quant_tiles.row_form),
+  over the others as gate/up;
 * prefill (`grouped_gate_up`, `grouped_down`): the grouped GEMMs over pairs sorted by expert, each weight tile
-  read as decode reads rows (down over HALVES' types but IQ4_NL in halves, Q4_K gate/up a quarter block a step, the
-  others a byte a value), dequantized, rounded to x's dtype and fed to the tensor cores as the dense kernels' tiles
+  read as decode reads rows (down over HALVES' types but IQ4_NL in halves, Q4_K gate/up a quarter block a step,
+  FP8_B128 in words, the others a byte a value), dequantized, rounded to x's dtype and fed to the tensor cores as the dense kernels' tiles
   are; a chunk whose experts get many pairs each runs the dense kernels on the stack dequantized whole instead
   (`dequantized_for`: dequantizing a tile once per row block of its expert costs more than streaming the dense twin
   once); a short one runs smaller row blocks (moe.GroupedForm).
@@ -40,7 +41,8 @@ ROWS_GATE_UP = dict(BLOCK_N=8, GROUPS=16, num_warps=4)
 # 8 rows a program and 4 warps: 22.4 us against the byte form's 27.2 with one busy slot, 63.6 against 75.6 with 4, on
 # an H100, before quant_tiles._exact_float took the byte form's slow conversions out; docs/PERFORMANCE.md).
 ROWS_GATE_UP_Q4K = dict(BLOCK_N=8, num_warps=4)
-ROWS_DOWN = {"halves": dict(BLOCK_N=32, GROUPS=4, num_warps=4), "groups": dict(BLOCK_N=16, GROUPS=4, num_warps=4)}
+ROWS_DOWN = {"halves": dict(BLOCK_N=32, GROUPS=4, num_warps=4), "groups": dict(BLOCK_N=16, GROUPS=4, num_warps=4),
+             "words": dict(BLOCK_N=16, GROUPS=4, num_warps=4)}
 # Prefill: from this many pairs per expert on average (a 3277-token chunk of the full model: 512 experts, top-10),
 # a quantized stack is dequantized whole for the chunk (dequantized_for). Below it the GEMMs dequantize their
 # tiles: one row block (GROUPED_BLOCK_M = 64 pairs) an expert dequantizes each tile once, which costs less than
@@ -51,8 +53,8 @@ DENSE_FROM = 64
 
 if triton is not None:
     from .expert_groups import tile_of, tile_pairs
-    from .quant_tiles import (LANES, dequantize_groups, dequantize_halves, halves_columns, halves_tile,
-                              q4k_block_halves, q4k_quarter_tile, weight_tile)
+    from .quant_tiles import (LANES, dequantize_groups, dequantize_halves, fp8_b128_words, halves_columns,
+                              halves_tile, q4k_block_halves, q4k_quarter_tile, weight_tile)
     from .rounding import round_to, silu_mul
 
     @triton.jit
@@ -60,7 +62,8 @@ if triton is not None:
                       GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
         """The float32 products w_n . v of BLOCK_N weight rows (`w_rows` [BLOCK_N, 1, 1] byte pointers, `feat_ok`
         which exist) with the `length` values at `v_row`, GROUPS 32-value blocks a step: read as two runs of 16
-        values each (FORM "halves") or a byte a value ("groups")."""
+        values each (FORM "halves"), as 32-bit words of four values (FP8_B128's "words") or a byte a value
+        ("groups")."""
         if FORM == "halves":
             step = tl.arange(0, GROUPS)[None, :, None]
             i = tl.arange(0, LANES // 2)[None, None, :]
@@ -72,6 +75,17 @@ if triton is not None:
                 low_col, high_col = halves_columns(block, i, QTYPE)
                 acc += low * tl.load(v_row + low_col, mask=exists, other=0.0).to(tl.float32)
                 acc += high * tl.load(v_row + high_col, mask=exists, other=0.0).to(tl.float32)
+        elif FORM == "words":
+            tl.static_assert(QTYPE == "FP8_B128", "the words form reads FP8_B128")
+            col_of_word = (tl.arange(0, GROUPS) * LANES)[None, :, None] + (tl.arange(0, LANES // 4) * 4)[None, None, :]
+            byte = tl.arange(0, 4)[None, None, None, :]
+            acc = tl.zeros([BLOCK_N, GROUPS, LANES // 4, 4], dtype=tl.float32)
+            for start in range(0, length, GROUPS * LANES):
+                col = start + col_of_word
+                col_ok = col < length
+                v = tl.load(v_row + tl.expand_dims(col, -1) + byte, mask=tl.expand_dims(col_ok, -1), other=0.0)
+                acc += fp8_b128_words(w_rows, col, feat_ok & col_ok) * v.to(tl.float32)
+            return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
         else:
             group = (tl.arange(0, GROUPS) * LANES)[None, :, None]
             lane = tl.arange(0, LANES)[None, None, :]
@@ -279,8 +293,9 @@ def rows_gate_up(x, ids, flags, stack, h, top_k: int, common: dict) -> None:
                                        **ROWS_GATE_UP_Q4K)
         return
     grid = (pairs, triton.cdiv(inter, ROWS_GATE_UP["BLOCK_N"]))
+    form = "words" if row_form(stack.qtype) == "words" else "groups"        # no halves form for gate/up
     _rows_gate_up_blocks_kernel[grid](x, ids, flags, blocks, grid_table, h, x.shape[1], inter, top_k, row_bytes,
-                                      QTYPE=stack.qtype, FORM="groups", **common, **ROWS_GATE_UP)
+                                      QTYPE=stack.qtype, FORM=form, **common, **ROWS_GATE_UP)
 
 
 def _q4k_words_fit(stack) -> bool:
@@ -340,7 +355,8 @@ def grouped_down(h, pair_of_row, expert_of_block, weights, stack, y, pairs: int,
 
 
 def _grouped_down_form(qtype: str) -> str:
-    """How the grouped down GEMM reads a tile of `qtype`: as the decode down product reads rows (quant_tiles.row_form),
-    but IQ4_NL a lane a value: its halves tile, whose levels are gathered from a table, asks a Strix Halo (gfx1151)
-    for more LDS than a workgroup has (66 KiB at 16-pair row blocks, tests/test_kernel_builds.py)."""
-    return "groups" if qtype == "IQ4_NL" else row_form(qtype)
+    """How the grouped down GEMM reads a tile of `qtype`: in halves where the decode down product reads rows so
+    (quant_tiles.row_form), but IQ4_NL a lane a value: its halves tile, whose levels are gathered from a table, asks
+    a Strix Halo (gfx1151) for more LDS than a workgroup has (66 KiB at 16-pair row blocks,
+    tests/test_kernel_builds.py); else through weight_tile (which reads FP8_B128 in words)."""
+    return "halves" if row_form(qtype) == "halves" and qtype != "IQ4_NL" else "groups"

@@ -43,9 +43,10 @@ HALVES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")
 
 
 def row_form(qtype: str) -> str:
-    """How the decode down product over experts reads a row of `qtype`: "halves" (dequantize_halves) or "groups" (a
-    byte a value, dequantize_groups: the K-quants, IQ4_XS and the FP8 types, which have no wider form yet)."""
-    return "halves" if qtype in HALVES else "groups"
+    """How the decode products over experts read a row of `qtype`: "halves" (dequantize_halves; the down product
+    only), "words" (fp8_b128_words: FP8_B128, gate/up and down) or "groups" (a byte a value, dequantize_groups: the
+    K-quants, IQ4_XS and FP8_B32, which have no wider form yet)."""
+    return "halves" if qtype in HALVES else "words" if qtype == "FP8_B128" else "groups"
 
 
 @functools.cache
@@ -355,19 +356,28 @@ if triton is not None:
         return round_to(tl.reshape(values, [BLOCK_K, BLOCK_N]), dtype, INTERPRETED)
 
     @triton.jit
+    def fp8_b128_words(row, col, mask):
+        """float32 values of FP8_B128 rows read as 32-bit words of four values: `row` each row's first byte (4-byte
+        aligned, as _f32_at needs), `col` the column of a word's first value (a multiple of 4, so the four lie in
+        one 128-value block; any shape), `mask` which (row, word) exist. Gives col's shape plus a last axis of 4:
+        columns col + 0..3 (a word's bytes, little-endian). A 132-byte block keeps its values 4-byte aligned, no
+        wider. Each value is dequantize_groups', formed the same way."""
+        base = row + (col // 128) * 132
+        scale = tl.expand_dims(_f32_at(base, mask) * 256.0, -1)
+        words = tl.load((base + 4 + col % 128).to(tl.pointer_type(tl.uint32)), mask=mask, other=0)
+        byte = (tl.expand_dims(words, -1) >> (tl.arange(0, 4) * 8).to(tl.uint32)) & 0xFF
+        return scale * _e4m3_bits_over_256(byte)
+
+    @triton.jit
     def fp8_b128_words_tile(rows, start, feat_ok, dtype: tl.constexpr, INTERPRETED: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-        """weight_tile's tile of FP8_B128 rows (`rows` [1, 1, BLOCK_N], 4-byte aligned as _f32_at needs; `start` a
-        multiple of BLOCK_K, which divides 128, below the rows' length, a multiple of 128: the tile lies whole in
-        one block of each row, so only `feat_ok` masks it): a row's BLOCK_K value bytes as 32-bit words (a load per
-        four values; 132-byte blocks keep them 4-byte aligned, no wider) and its block's scale once. Each value is dequantize_groups', formed the same way; the words' bytes are put back in
-        column order (byte j of word w is column 4w + j, little-endian)."""
-        base = rows + (start // 128) * 132
-        scale = _f32_at(base, feat_ok) * 256.0
-        word = tl.arange(0, BLOCK_K // 4)[:, None, None]
-        words = tl.load((base + 4 + start % 128).to(tl.pointer_type(tl.uint32)) + word, mask=feat_ok, other=0)
-        byte = (words >> (tl.arange(0, 4) * 8).to(tl.uint32)[None, :, None]) & 0xFF      # [BLOCK_K // 4, 4, BLOCK_N]
-        values = scale * _e4m3_bits_over_256(byte)
+        """weight_tile's tile of FP8_B128 rows (`rows` [1, 1, BLOCK_N]; `start` a multiple of BLOCK_K, which divides
+        128, below the rows' length, a multiple of 128: the tile lies whole in one block of each row, so only
+        `feat_ok` masks it) as fp8_b128_words gives it, a load per four values, its words' bytes put back in column
+        order."""
+        col = start + tl.arange(0, BLOCK_K // 4)[:, None] * 4
+        values = fp8_b128_words(tl.reshape(rows, [1, BLOCK_N]), col, tl.reshape(feat_ok, [1, BLOCK_N]))
+        values = tl.permute(values, (0, 2, 1))                      # [words, 4, BLOCK_N]: column 4 word + byte
         return round_to(tl.reshape(values, [BLOCK_K, BLOCK_N]), dtype, INTERPRETED)
 
     # Not specialized on the count of ids (one binary a type and row length); the row length and bytes are, as
