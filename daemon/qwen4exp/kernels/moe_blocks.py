@@ -79,13 +79,13 @@ if triton is not None:
             tl.static_assert(QTYPE == "FP8_B128", "the words form reads FP8_B128")
             col_of_word = (tl.arange(0, GROUPS) * LANES)[None, :, None] + (tl.arange(0, LANES // 4) * 4)[None, None, :]
             byte = tl.arange(0, 4)[None, None, None, :]
-            acc = tl.zeros([BLOCK_N, GROUPS, LANES // 4, 4], dtype=tl.float32)
+            acc_words = tl.zeros([BLOCK_N, GROUPS, LANES // 4, 4], dtype=tl.float32)
             for start in range(0, length, GROUPS * LANES):
                 col = start + col_of_word
                 col_ok = col < length
                 v = tl.load(v_row + tl.expand_dims(col, -1) + byte, mask=tl.expand_dims(col_ok, -1), other=0.0)
-                acc += fp8_b128_words(w_rows, col, feat_ok & col_ok) * v.to(tl.float32)
-            return tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=1)
+                acc_words += fp8_b128_words(w_rows, col, feat_ok & col_ok) * v.to(tl.float32)
+            acc = tl.sum(acc_words, axis=3)                    # [BLOCK_N, GROUPS, words], summed as the others below
         else:
             group = (tl.arange(0, GROUPS) * LANES)[None, :, None]
             lane = tl.arange(0, LANES)[None, None, :]
