@@ -13,8 +13,8 @@ dequantizes them in registers (quant_tiles.py), in tiles of whole blocks:
   over the others as gate/up;
 * prefill (`grouped_gate_up`, `grouped_down`): the grouped GEMMs over pairs sorted by expert, each weight tile
   read as decode reads rows (down over HALVES' types but IQ4_NL in halves, Q4_K gate/up a quarter block a step,
-  FP8_B128 in words, the others a byte a value), dequantized, rounded to x's dtype and fed to the tensor cores as the dense kernels' tiles
-  are; a chunk whose experts get many pairs each runs the dense kernels on the stack dequantized whole instead
+  FP8_B128 in words, the others a byte a value), dequantized, rounded to x's dtype and fed to the tensor cores as
+  the dense kernels' tiles are; a chunk whose experts get many pairs each runs the dense kernels on the stack dequantized whole instead
   (`dequantized_for`: dequantizing a tile once per row block of its expert costs more than streaming the dense twin
   once); a short one runs smaller row blocks (moe.GroupedForm).
 
