@@ -77,14 +77,15 @@ if triton is not None:
                 acc += high * tl.load(v_row + high_col, mask=exists, other=0.0).to(tl.float32)
         elif FORM == "words":
             tl.static_assert(QTYPE == "FP8_B128", "the words form reads FP8_B128")
-            col_of_word = (tl.arange(0, GROUPS) * LANES)[None, :, None] + (tl.arange(0, LANES // 4) * 4)[None, None, :]
-            byte = tl.arange(0, 4)[None, None, None, :]
+            group = (tl.arange(0, GROUPS) * LANES)[None, :, None]
+            word = tl.arange(0, LANES // 4)[None, None, :]
+            lane = (word * 4)[:, :, :, None] + tl.arange(0, 4)[None, None, None, :]     # a word's byte's column
             acc_words = tl.zeros([BLOCK_N, GROUPS, LANES // 4, 4], dtype=tl.float32)
             for start in range(0, length, GROUPS * LANES):
-                col = start + col_of_word
+                col = start + group
                 col_ok = col < length
-                v = tl.load(v_row + tl.expand_dims(col, -1) + byte, mask=tl.expand_dims(col_ok, -1), other=0.0)
-                acc_words += fp8_b128_words(w_rows, col, feat_ok & col_ok) * v.to(tl.float32)
+                v = tl.load(v_row + col[:, :, :, None] + lane, mask=col_ok[:, :, :, None], other=0.0)
+                acc_words += fp8_b128_words(w_rows, col, word, feat_ok & col_ok) * v.to(tl.float32)
             acc = tl.sum(acc_words, axis=3)                    # [BLOCK_N, GROUPS, words], summed as the others below
         else:
             group = (tl.arange(0, GROUPS) * LANES)[None, :, None]

@@ -356,15 +356,16 @@ if triton is not None:
         return round_to(tl.reshape(values, [BLOCK_K, BLOCK_N]), dtype, INTERPRETED)
 
     @triton.jit
-    def fp8_b128_words(row, col, mask):
+    def fp8_b128_words(row, col, word, mask):
         """float32 values of FP8_B128 rows read as 32-bit words of four values: `row` each row's first byte (4-byte
-        aligned, as _f32_at needs), `col` the column of a word's first value (a multiple of 4, so the four lie in
-        one 128-value block; any shape), `mask` which (row, word) exist. Gives col's shape plus a last axis of 4:
-        columns col + 0..3 (a word's bytes, little-endian). A 132-byte block keeps its values 4-byte aligned, no
-        wider. Each value is dequantize_groups', formed the same way."""
+        aligned, as _f32_at needs), `col` a group's first column (a multiple of 32: a group lies in one 128-value
+        block), `word` 0..7 the word of the group, `mask` which (row, group) exist (all broadcastable: the scale is
+        loaded once per row and group). Gives the broadcast shape plus a last axis of 4: columns col + 4 word + 0..3
+        (a word's bytes, little-endian). A 132-byte block keeps its values 4-byte aligned, no wider. Each value is
+        dequantize_groups', formed the same way."""
         base = row + (col // 128) * 132
         scale = tl.expand_dims(_f32_at(base, mask) * 256.0, -1)
-        words = tl.load((base + 4 + col % 128).to(tl.pointer_type(tl.uint32)), mask=mask, other=0)
+        words = tl.load((base + 4 + col % 128).to(tl.pointer_type(tl.uint32)) + word, mask=mask, other=0)
         byte = (tl.expand_dims(words, -1) >> (tl.arange(0, 4) * 8).to(tl.uint32)) & 0xFF
         return scale * _e4m3_bits_over_256(byte)
 
@@ -375,8 +376,8 @@ if triton is not None:
         128, below the rows' length, a multiple of 128: the tile lies whole in one block of each row, so only
         `feat_ok` masks it) as fp8_b128_words gives it, a load per four values, its words' bytes put back in column
         order."""
-        col = start + tl.arange(0, BLOCK_K // 4)[:, None] * 4
-        values = fp8_b128_words(tl.reshape(rows, [1, BLOCK_N]), col, tl.reshape(feat_ok, [1, BLOCK_N]))
+        word = tl.arange(0, BLOCK_K // 4)[:, None]
+        values = fp8_b128_words(tl.reshape(rows, [1, BLOCK_N]), start, word, tl.reshape(feat_ok, [1, BLOCK_N]))
         values = tl.permute(values, (0, 2, 1))                      # [words, 4, BLOCK_N]: column 4 word + byte
         return round_to(tl.reshape(values, [BLOCK_K, BLOCK_N]), dtype, INTERPRETED)
 
@@ -394,6 +395,9 @@ if triton is not None:
         ok = (i < n_ids) & (col < cols)
         if QTYPE == "Q8_0_R":
             values = split_q8_0_groups(blocks_ptr + row * row_bytes, quants_at, col, lane, ok)
+        elif QTYPE == "FP8_B128":
+            word = tl.arange(0, LANES // 4)[None, None, :]
+            values = tl.reshape(fp8_b128_words(blocks_ptr + row * row_bytes, col, word, ok), [ROWS, GROUPS, LANES])
         else:
             values = dequantize_groups(blocks_ptr + row * row_bytes, col, lane, ok, grid_ptr, QTYPE)
         tl.store(out_ptr + i * cols + col + lane, round_to(values, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
