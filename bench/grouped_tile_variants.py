@@ -80,11 +80,13 @@ def chunk(rows: int, experts: int, hidden: int, inter: int, top_k: int, device, 
 
 def both(product: str, stack, args, block_m: int, top_k: int, override: dict | None = None):
     """{"engine": output, "bytes": output} of one product over `stack`, and a function running each; with
-    `override` (launch config entries: block shapes, warps, stages) the engine's kernel alone, so configured."""
+    `override` (launch config entries: block shapes, warps, stages, laid over the engine's) the engine's kernel
+    alone, so configured. The `bytes` kernels run at the engine's configs for the type."""
     x, h, pair_of_row, expert_of_block, weights = args
     pairs = x.shape[0] * top_k
-    gate_up_config, down_config = (config | (override or {})
-                                   for config in moe.grouped_configs(x.device, x.element_size(), block_m))
+    dense_gate_up, dense_down = moe.grouped_configs(x.device, x.element_size(), block_m)
+    gate_up_config = moe_blocks.grouped_config("gate/up", stack, block_m, dense_gate_up) | (override or {})
+    down_config = moe_blocks.grouped_config("down", stack, block_m, dense_down) | (override or {})
     common = dict(INTERPRETED=interpreted(x), BLOCK_M=block_m)
     outs, runs = {}, {}
     if product == "gate/up":

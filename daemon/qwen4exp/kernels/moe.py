@@ -377,15 +377,16 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     common = dict(INTERPRETED=on_cpu, BLOCK_M=form.block_m)
     h = torch.empty(pair_of_row.numel(), inter, device=x.device, dtype=x.dtype)
     if _is_blocks(gate_up):
-        moe_blocks.grouped_gate_up(x, pair_of_row, expert_of_block, gate_up, h, pairs, top_k, gate_up_config,
-                                   common)
+        moe_blocks.grouped_gate_up(x, pair_of_row, expert_of_block, gate_up, h, pairs, top_k,
+                                   moe_blocks.grouped_config("gate/up", gate_up, form.block_m, gate_up_config), common)
     else:
         grid = (max_blocks * triton.cdiv(inter, gate_up_config["BLOCK_N"]),)
         _grouped_gate_up_kernel[grid](x, pair_of_row, expert_of_block, gate_up, h, pairs, num_experts, hidden,
                                       inter, top_k, **common, **gate_up_config)
     y = torch.empty(pairs, hidden, device=x.device, dtype=x.dtype)
     if _is_blocks(down):
-        moe_blocks.grouped_down(h, pair_of_row, expert_of_block, weights, down, y, pairs, down_config, common)
+        moe_blocks.grouped_down(h, pair_of_row, expert_of_block, weights, down, y, pairs,
+                                moe_blocks.grouped_config("down", down, form.block_m, down_config), common)
     else:
         grid = (max_blocks * triton.cdiv(hidden, down_config["BLOCK_N"]),)
         _grouped_down_kernel[grid](h, pair_of_row, expert_of_block, weights, down, y, pairs, num_experts, hidden,

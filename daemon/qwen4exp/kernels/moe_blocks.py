@@ -41,14 +41,30 @@ ROWS_GATE_UP = dict(BLOCK_N=8, GROUPS=16, num_warps=4)
 # 8 rows a program and 4 warps: 22.4 us against the byte form's 27.2 with one busy slot, 63.6 against 75.6 with 4, on
 # an H100, before quant_tiles._exact_float took the byte form's slow conversions out; docs/PERFORMANCE.md).
 ROWS_GATE_UP_Q4K = dict(BLOCK_N=8, num_warps=4)
+# FP8_B128 in words (a 32-bit load per four values): the best of bench/moe_rows_variants.py --fp8 --sweep on an H100
+# with one busy row (gate/up 35.6 us against 43.2 at the byte form's tiling, down 20.9 against 26.9; docs/PERFORMANCE.md).
+ROWS_GATE_UP_WORDS = dict(BLOCK_N=8, GROUPS=8, num_warps=4)
 ROWS_DOWN = {"halves": dict(BLOCK_N=32, GROUPS=4, num_warps=4), "groups": dict(BLOCK_N=16, GROUPS=4, num_warps=4),
-             "words": dict(BLOCK_N=16, GROUPS=4, num_warps=4)}
+             "words": dict(BLOCK_N=16, GROUPS=4, num_warps=2)}
 # Prefill: from this many pairs per expert on average (a 3277-token chunk of the full model: 512 experts, top-10),
 # a quantized stack is dequantized whole for the chunk (dequantized_for). Below it the GEMMs dequantize their
 # tiles: one row block (GROUPED_BLOCK_M = 64 pairs) an expert dequantizes each tile once, which costs less than
 # writing the dense twin and reading it again (docs/PERFORMANCE.md: the full model's Q4_K gate/up at 128, 512 and
 # 2048 tokens, 1.9-2.1 ms a layer against 2.9-3.0 ms dequantized whole).
 DENSE_FROM = 64
+# The prompt GEMMs' launch configs over blocks where they differ from the dense kernels' (moe.grouped_configs), by
+# (product, type, row block: moe.SMALL_BLOCK_M 16 or GROUPED_BLOCK_M 64): a tile dequantized in registers is not
+# streamed by cp.async as a dense one is, and more pipeline stages only cost it registers and shared memory. The
+# fastest of bench/grouped_tile_variants.py --configs at the full model's shapes on an H100, 128, 512 and 2048 tokens
+# (docs/PERFORMANCE.md: FP8_B128 gate/up 1.89 -> 1.17 ms a layer at 128 tokens, down 1.11 -> 0.56; Q8_0 down 0.80 ->
+# 0.52); types not measured keep the dense configs.
+GROUPED_OVER_BLOCKS = {
+    ("gate/up", "Q4_K", 16): dict(BLOCK_N=32), ("gate/up", "Q4_K", 64): dict(num_stages=1),
+    ("gate/up", "FP8_B128", 16): dict(num_stages=1), ("gate/up", "FP8_B128", 64): dict(num_stages=1),
+    ("down", "Q5_1", 16): dict(BLOCK_N=32), ("down", "Q5_1", 64): dict(num_stages=1),
+    ("down", "Q8_0", 16): dict(num_stages=1, num_warps=8), ("down", "Q8_0", 64): dict(num_stages=1, num_warps=8),
+    ("down", "FP8_B128", 16): dict(num_stages=1), ("down", "FP8_B128", 64): dict(num_stages=1),
+}
 
 
 if triton is not None:
@@ -293,10 +309,11 @@ def rows_gate_up(x, ids, flags, stack, h, top_k: int, common: dict) -> None:
         _rows_gate_up_q4k_kernel[grid](x, ids, flags, blocks, h, x.shape[1], inter, top_k, row_bytes, **common,
                                        **ROWS_GATE_UP_Q4K)
         return
-    grid = (pairs, triton.cdiv(inter, ROWS_GATE_UP["BLOCK_N"]))
-    form = "words" if row_form(stack.qtype) == "words" else "groups"        # no halves form for gate/up
+    words = row_form(stack.qtype) == "words"         # no halves form for gate/up
+    config = ROWS_GATE_UP_WORDS if words else ROWS_GATE_UP
+    grid = (pairs, triton.cdiv(inter, config["BLOCK_N"]))
     _rows_gate_up_blocks_kernel[grid](x, ids, flags, blocks, grid_table, h, x.shape[1], inter, top_k, row_bytes,
-                                      QTYPE=stack.qtype, FORM=form, **common, **ROWS_GATE_UP)
+                                      QTYPE=stack.qtype, FORM="words" if words else "groups", **common, **config)
 
 
 def _q4k_words_fit(stack) -> bool:
@@ -323,6 +340,12 @@ def dequantized_for(stack, pairs: int) -> bool:
     dense model, instead of dequantizing each tile once per row block of its expert. Chosen by the shapes alone;
     part of the chunk's moe.GroupedForm (the twin's GEMMs round otherwise than the blocks' do)."""
     return not isinstance(stack, torch.Tensor) and pairs >= DENSE_FROM * stack.shape[0]
+
+
+def grouped_config(product: str, stack, block_m: int, dense_config: dict) -> dict:
+    """The launch config of the grouped `product` ("gate/up" or "down") over `stack` in row blocks of `block_m`:
+    the dense kernels' with GROUPED_OVER_BLOCKS' entries for the stack's type laid over it."""
+    return dense_config | GROUPED_OVER_BLOCKS.get((product, stack.qtype, block_m), {})
 
 
 def grouped_gate_up(x, pair_of_row, expert_of_block, stack, h, pairs: int, top_k: int, config: dict,
