@@ -14,9 +14,9 @@ dequantizes them in registers (quant_tiles.py), in tiles of whole blocks:
 * prefill (`grouped_gate_up`, `grouped_down`): the grouped GEMMs over pairs sorted by expert, each weight tile
   read as decode reads rows (down over HALVES' types but IQ4_NL in halves, Q4_K gate/up a quarter block a step,
   FP8_B128 in words, the others a byte a value), dequantized, rounded to x's dtype and fed to the tensor cores as
-  the dense kernels' tiles are; a chunk whose experts get many pairs each runs the dense kernels on the stack dequantized whole instead
-  (`dequantized_for`: dequantizing a tile once per row block of its expert costs more than streaming the dense twin
-  once); a short one runs smaller row blocks (moe.GroupedForm).
+  the dense kernels' tiles are; a chunk whose experts get many pairs each runs the dense kernels on the stack
+  dequantized whole instead (`dequantized_for`: dequantizing a tile once per row block of its expert costs more
+  than streaming the dense twin once); a short one runs smaller row blocks (moe.GroupedForm).
 
 Numerics: the decode kernels multiply by the dequantized weights in float32 (llama.cpp's values exactly, not
 rounded to x's dtype, which would add instructions to every weight of a memory-bound step); the prefill GEMMs
@@ -41,8 +41,9 @@ ROWS_GATE_UP = dict(BLOCK_N=8, GROUPS=16, num_warps=4)
 # 8 rows a program and 4 warps: 22.4 us against the byte form's 27.2 with one busy slot, 63.6 against 75.6 with 4, on
 # an H100, before quant_tiles._exact_float took the byte form's slow conversions out; docs/PERFORMANCE.md).
 ROWS_GATE_UP_Q4K = dict(BLOCK_N=8, num_warps=4)
-# FP8_B128 in words (a 32-bit load per four values): the best of bench/moe_rows_variants.py --fp8 --sweep on an H100
-# with one busy row (gate/up 35.6 us against 43.2 at the byte form's tiling, down 20.9 against 26.9; docs/PERFORMANCE.md).
+# FP8_B128 in words (a 32-bit load per four values): the best of bench/moe_rows_variants.py --fp8 --sweep on an
+# H100 with one busy row (gate/up 35.6 us against 43.2 at the byte form's tiling, down 20.9 against 26.9;
+# docs/PERFORMANCE.md).
 ROWS_GATE_UP_WORDS = dict(BLOCK_N=8, GROUPS=8, num_warps=4)
 ROWS_DOWN = {"halves": dict(BLOCK_N=32, GROUPS=4, num_warps=4), "groups": dict(BLOCK_N=16, GROUPS=4, num_warps=4),
              "words": dict(BLOCK_N=16, GROUPS=4, num_warps=2)}
