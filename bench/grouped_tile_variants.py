@@ -12,8 +12,8 @@ The engine's grouped GEMMs read a tile of
   plus constants, the scale fields as 32-bit words (moe_blocks._grouped_gate_up_q4k_kernel); `bytes`: the generic
   kernel (_grouped_gate_up_blocks_kernel), a lane a value;
 * either product over FP8_B128 (`--types gate/up:FP8_B128,down:FP8_B128`) as 32-bit words of four values
-  (quant_tiles.fp8_b128_words_tile), in both variants: weight_tile reads that type so whatever the kernel, so
-  compare its forms by running this under each tree.
+  (quant_tiles.fp8_b128_words_tile) in both variants, since weight_tile reads that type so in any kernel: to
+  compare it with another form, run this again with that form's quant_tiles.py laid over the package.
 
 Each tile holds the same values in the same places, so under the interpreter the outputs are equal bit for bit;
 compiled, the tensor cores may sum a tile's products in another order for another register layout (`equal` says

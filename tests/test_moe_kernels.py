@@ -312,7 +312,7 @@ def check_the_decode_kernels_read_each_weight_as_the_torch_form_gives_it():
 
 def grouped_down_reads_each_weight_exactly(device: str) -> None:
     """The prompt's grouped down GEMM over every expert block type, in the form it reads that type's tiles in
-    (halves, a lane a value, FP8_B128's words) and in both row blocks: with each pair's h one column's indicator
+    (halves, a lane a value, FP8_B128's words), in both row blocks at the engine's configs: with each pair's h one column's indicator
     and its route weight 1, a pair's output is that column of its expert's weight, the torch form's value rounded
     to bfloat16 as a tile rounds it (every other product is an exact zero, so no summation order shows)."""
     import torch
@@ -335,7 +335,8 @@ def grouped_down_reads_each_weight_exactly(device: str) -> None:
             pair = pair_of_row.long().clamp(max=len(columns) - 1)     # a padding row's h is never stored
             h = one_hot(columns.to(device)[pair], length).bfloat16()
             y = torch.full((len(columns), features), float("nan"), dtype=torch.bfloat16, device=device)
-            _, config = moe.grouped_configs(h.device, h.element_size(), block_m)
+            config = moe_blocks.grouped_config("down", down, block_m,
+                                               moe.grouped_configs(h.device, h.element_size(), block_m)[1])
             moe_blocks.grouped_down(h, pair_of_row, expert_of_block, torch.ones(len(columns), 1).bfloat16().to(device),
                                     down, y, len(columns), config, dict(INTERPRETED=interpreted(h), BLOCK_M=block_m))
             assert torch.equal(y.cpu(), want), (qtype, block_m)
