@@ -15,9 +15,10 @@ Measured, for each slot count:
    the MTP head (`head_step_graph_ms`);
 2. plain decoding against an engine drafting 3 tokens a step whose drafts come from an oracle (the tokens plain
    decoding produced, labelled as such: random weights accept nothing of their own): generated tok/s of each, the
-   accepted drafts, and where the drafting engine's time went (the head's drafting, the verify step, the rest),
-   whether every answer was plain decoding's; "oracle" in the form the engine runs today, "oracle_together" with
-   every decode product in fixed row tiles and the verify step's positions together (both engines);
+   accepted drafts, and where the drafting engine's time went (the head's drafting, the verify step, the rest; on a
+   GPU as spans of the device's timeline), whether every answer was plain decoding's; "oracle" in the form the
+   engine runs today, "oracle_together" with every decode product in fixed row tiles and the verify step's
+   positions together (both engines);
 3. tok/s at a mean acceptance length of 2.6 tokens per step (vLLM's figure for 3 drafts on the FP8 model), from
    the measured times: 2.6 tokens a slot / the oracle run's whole time per step (drafting, verifying and the
    engine's own work around them: a step of 3 drafts costs that whether 1 or all 3 are taken).
@@ -39,7 +40,7 @@ from qwen4exp.engine.cuda_graph import capture_graph
 from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.loading import load_model
 from qwen4exp.engine.request import Request
-from qwen4exp.engine.speculative import Drafter
+from qwen4exp.engine.speculative import Drafter, Drafts
 from speed import commit, sync, timed        # bench/speed.py: this directory is on the path when run as a script
 
 ACCEPTANCE_LENGTH = 2.6
@@ -150,6 +151,7 @@ def _oracle_run(model, slots: int, tokens: int, device: torch.device, context: i
     prompts = [[(7 * i + j) % 900 + 1 for j in range(32 + 8 * i)] for i in range(slots)]
 
     timing = {"draft": 0.0, "verify": 0.0}
+    spans: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     def run(**kw) -> tuple[list[Request], float, Engine, int]:
         """The requests, the seconds and decode steps after every prompt is done, the engine."""
@@ -162,33 +164,49 @@ def _oracle_run(model, slots: int, tokens: int, device: torch.device, context: i
             engine.step()
         sync(device)
         timing.update(draft=0.0, verify=0.0)
+        spans.clear()
         steps, started = engine.counters.decode_steps, time.perf_counter()
         engine.run_until_idle()
         sync(device)
+        for name, begin, end in spans:
+            timing[name] += begin.elapsed_time(end) / 1e3
         return requests, time.perf_counter() - started, engine, engine.counters.decode_steps - steps
+
+    def phase(name: str, call):
+        """call() as the engine makes it, its span timed on the device's timeline by events (a host wait here
+        would idle the device where the engine does not), or by the host's clock off a GPU."""
+        if device.type != "cuda":
+            started = time.perf_counter()
+            out = call()
+            timing[name] += time.perf_counter() - started
+            return out
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = call()
+        end.record()
+        spans.append((name, begin, end))
+        return out
 
     plain, plain_s, _, plain_steps = run()
     answers = {tuple(r.prompt_ids): r.output_ids for r in plain}
     real_draft, real_verify = Drafter.draft, Drafter.verify
 
     def oracle_draft(self, decoding):
-        sync(device)
-        started = time.perf_counter()
-        drafts = real_draft(self, decoding)        # the head runs as it would; its proposals are replaced
+        drafts = phase("draft", lambda: real_draft(self, decoding))   # the head runs; its proposals are replaced
+        if drafts.tokens is None:
+            return drafts
+        tokens = [[0] * drafts.tokens.shape[1] for _ in range(drafts.tokens.shape[0])]
         for slot in decoding:
             answer, done = answers[tuple(slot.request.prompt_ids)], len(slot.request.output_ids)
-            drafts[slot.index] = answer[done:done + len(drafts[slot.index])]
-        sync(device)
-        timing["draft"] += time.perf_counter() - started
-        return drafts
+            for i, token in enumerate(answer[done:done + drafts.counts[slot.index]]):
+                tokens[i][slot.index] = token
+        host = torch.tensor(tokens)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        return Drafts(drafts.counts, host.to(device, non_blocking=True))
 
     def timed_verify(self, decoding, drafts):
-        sync(device)
-        started = time.perf_counter()
-        out = real_verify(self, decoding, drafts)
-        sync(device)
-        timing["verify"] += time.perf_counter() - started
-        return out
+        return phase("verify", lambda: real_verify(self, decoding, drafts))
 
     Drafter.draft, Drafter.verify = oracle_draft, timed_verify
     try:

@@ -20,7 +20,7 @@ from qwen4exp.engine.prefix_cache import PrefixCache
 from qwen4exp.engine.request import FinishReason, Request
 from qwen4exp.engine.sampling import SamplingParams
 from qwen4exp.engine.snapshot import SnapshotBackend
-from qwen4exp.engine.speculative import DraftLength, Drafter
+from qwen4exp.engine.speculative import DraftLength, Drafter, Drafts
 from qwen4exp.model_dir import EMBEDDED_MODEL
 from qwen4exp.tokenizer import Tokenizer
 from logits_record import assert_same_logits, record_logits
@@ -97,11 +97,15 @@ def _oracle(monkeypatch, answers: dict[tuple, list[int]], rng: random.Random, wr
 
     def draft(self, decoding):
         drafts = real(self, decoding)
+        if drafts.tokens is None:
+            return drafts
+        tokens = drafts.tokens.tolist()
         for slot in decoding:
             answer, done = answers[tuple(slot.request.prompt_ids)], len(slot.request.output_ids)
-            drafts[slot.index] = [answer[done + i] if done + i < len(answer) and rng.random() >= wrong
-                                  else rng.randrange(1000) for i in range(len(drafts[slot.index]))]
-        return drafts
+            for i in range(drafts.counts[slot.index]):
+                right = done + i < len(answer) and rng.random() >= wrong
+                tokens[i][slot.index] = answer[done + i] if right else rng.randrange(1000)
+        return Drafts(drafts.counts, torch.tensor(tokens, device=drafts.tokens.device))
 
     monkeypatch.setattr(Drafter, "draft", draft)
 

@@ -463,15 +463,17 @@ class Engine:
         if not decoding:
             return
         try:
-            drafts = self.drafter.draft(decoding)
-            logits, streams = self.drafter.verify(decoding, drafts)
+            queued = self.drafter.draft(decoding)
+            logits, streams = self.drafter.verify(decoding, queued)
+            # The host's one wait of the step: the verify step's argmax, the drafts behind it.
+            best = logits.argmax(-1).tolist() if any(s.sampler.takes_argmax for s in decoding) else None
+            drafts = queued.lists()
         except Exception as err:  # noqa: BLE001 - the batch failed: fail its requests, keep serving
             log.exception("decode step failed")
             for slot in decoding:
                 self._finish(slot, slot.request, FinishReason.ERROR, f"{type(err).__name__}: {err}")
             return
         self.counters.decode_steps += 1
-        best = logits.argmax(-1).tolist() if any(s.sampler.takes_argmax for s in decoding) else None
         kept: dict[int, int] = {}
         for slot in decoding:
             request, proposed, taken = slot.request, drafts[slot.index], 0

@@ -6,7 +6,8 @@ An engine step with drafting, for every decoding slot at once:
    attention cache there from true inputs, and the last row's logits give draft 1. Drafts 2..k chain the head on
    its own streams and the draft before (their cache positions are rewritten from true inputs once verified).
 2. verify: the main model runs the slot's next token and its k drafts in one verify step (model/verify.py), which
-   gives each position the logits a plain decode step gives it there.
+   gives each position the logits a plain decode step gives it there. It reads the drafts where the head left them,
+   on the device: the host first waits for the step when it takes the tokens.
 3. accept (engine.py): each slot's positions are sampled in order by its own sampler, which holds the history and
    random state plain decoding would have there; a draft is accepted when it equals the sample before it. The
    first mismatch ends the slot's tokens for the step, and the carried state is committed to the last position
@@ -67,6 +68,19 @@ class _SlotDrafting:
 
 
 @dataclass
+class Drafts:
+    """A step's drafts: how many each decoding slot proposes (slot index -> k) and the tokens, [most, N] on the
+    device (row d: every slot's draft d + 1; None when no slot drafts), where the verify step reads them."""
+    counts: dict[int, int]
+    tokens: torch.Tensor | None = None
+
+    def lists(self) -> dict[int, list[int]]:
+        """Each slot's drafts on the host (waits for the device to have made them)."""
+        made = self.tokens.tolist() if self.tokens is not None else []
+        return {index: [made[d][index] for d in range(k)] for index, k in self.counts.items()}
+
+
+@dataclass
 class DraftCounters:
     """What drafting did since the engine was made (/metrics)."""
     verify_steps: int = 0
@@ -121,8 +135,8 @@ class Drafter:
         left = request.max_tokens - len(request.output_ids) - 1
         return max(0, min(left, slot.state.capacity - 2 - slot.state.length))
 
-    def draft(self, decoding: list[Slot]) -> dict[int, list[int]]:
-        """Each decoding slot's drafts (index -> tokens, possibly none)."""
+    def draft(self, decoding: list[Slot]) -> Drafts:
+        """Each decoding slot's drafts, queued on the device (possibly none)."""
         count = len(self.pool.slots)
         wanted = {}
         for slot in decoding:
@@ -132,9 +146,8 @@ class Drafter:
             wanted[slot.index] = k
             drafting.steps_without = 0 if k else drafting.steps_without + 1
         seeing = [s for s in decoding if self._slots[s.index].streams is not None]
-        drafts: dict[int, list[int]] = {s.index: [] for s in decoding}
         if not seeing:
-            return drafts
+            return Drafts(wanted)
         # The head over every slot's unseen positions (rows position-major, as a verify step's), padded to the
         # runner's fixed most + 1 rows a slot; then drafts 2..k, the head on its own streams a position further.
         rows = self.runner.head_rows
@@ -153,34 +166,29 @@ class Drafter:
         going = [[wanted.get(s.index, 0) >= depth for s in self.pool.slots] for depth in range(2, most + 1)]
         made = self.runner.draft(most, streams, tokens, positions, active, last,
                                  [s.state.length for s in self.pool.slots], going)
-        if made is None:
-            return drafts
-        made = made.tolist()                 # the one wait of a step's drafting
-        for slot in seeing:
-            drafts[slot.index] = [made[depth][slot.index] for depth in range(wanted[slot.index])]
-        return drafts
+        return Drafts(wanted, made)
 
-    def verify(self, decoding: list[Slot], drafts: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, decoding: list[Slot], drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
         """The verify step over each decoding slot's next token and drafts -> (logits [S, N, V], streams
         [S, N, hc*H]), S = 1 + the most drafts, valid until the next verify step. Rows past a slot's drafts are
         idle; their position-indexed writes land just past its last draft (which `_room` keeps inside the
         context); other slots' at their length."""
         count = len(self.pool.slots)
-        substeps = 1 + max((len(d) for d in drafts.values()), default=0)
-        tokens = [[0] * count for _ in range(substeps)]
+        substeps = 1 + max(drafts.counts.values(), default=0)
+        tokens = [[0] * count for _ in range(substeps)]     # rows 1..: the drafts, on the device
         positions = [[s.state.length for s in self.pool.slots] for _ in range(substeps)]
         active = [[False] * count for _ in range(substeps)]
         for slot in decoding:
-            fed = [slot.next_token] + drafts[slot.index]
-            length, i = slot.state.length, slot.index
+            fed, length, i = 1 + drafts.counts[slot.index], slot.state.length, slot.index
+            tokens[0][i] = slot.next_token
             for j in range(substeps):
-                if j < len(fed):
-                    tokens[j][i], positions[j][i], active[j][i] = fed[j], length + j, True
+                if j < fed:
+                    positions[j][i], active[j][i] = length + j, True
                 else:
-                    positions[j][i] = length + len(fed)
+                    positions[j][i] = length + fed
         for slot in decoding:
-            slot.state.check_room(1 + len(drafts[slot.index]))
-        logits, streams = self.runner.verify(tokens, positions, active)
+            slot.state.check_room(1 + drafts.counts[slot.index])
+        logits, streams = self.runner.verify(tokens, positions, active, drafts.tokens)
         self.counters.verify_steps += 1
         return logits.view(substeps, count, -1), streams.view(substeps, count, -1)
 

@@ -2,14 +2,15 @@
 goes in and what is kept).
 
 Drafting: the MTP head over every slot's unseen positions (`most + 1` rows a slot, position-major; the rows a slot
-has not got are idle), then its chained passes, each draft taken on the device (argmax) and fed to the next pass, so
-the host waits once for a step's drafts instead of once a draft. Verifying: the main model over 1 + k positions a
-slot (model/verify.py). One graph per draft count (0..most) and one per verify length (1..most + 1), captured when
-the engine is made, while every slot is empty: idle rows keep their state, and their position-indexed writes land
-where nothing is read (as DecodeRunner's). A graph keeps the ops backend's form of the verify step at its capture
-(ops.rows_independent then). Off a GPU, or for a model whose layers span devices, the same functions
-run eagerly. Eager, a step launches hundreds of kernels a pass, which is what bounds it on a GPU
-(docs/PERFORMANCE.md, the MTP section).
+has not got are idle), then its chained passes, each draft taken on the device (argmax) and fed to the next pass;
+the drafts stay on the device, where the verify step reads them. Verifying: the main model over 1 + k positions a
+slot (model/verify.py). The host's inputs travel through pinned buffers without waiting for the device, so the host
+waits once a step: for the verify step's results (and the drafts behind them). One graph per draft count (0..most)
+and one per verify length (1..most + 1), captured when the engine is made, while every slot is empty: idle rows keep
+their state, and their position-indexed writes land where nothing is read (as DecodeRunner's). A graph keeps the ops
+backend's form of the verify step at its capture (ops.rows_independent then). Off a GPU, or for a model whose layers
+span devices, the same functions run eagerly. Eager, a step launches hundreds of kernels a pass, which is what
+bounds it on a GPU (docs/PERFORMANCE.md, the MTP section).
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ class SpeculativeRunner:
 
         # Inputs: written before each replay (the graphs read them in place).
         self._streams = zeros(rows, width, dtype=model.lm_head.weight.dtype)
-        self._head = {"tokens": zeros(rows), "positions": zeros(rows), "active": zeros(rows, dtype=torch.bool),
-                      "last": zeros(count), "lengths": zeros(count),
-                      "going": zeros(max(most - 1, 1), count, dtype=torch.bool)}
-        self._verify = {"tokens": zeros(rows), "positions": zeros(rows), "active": zeros(rows, dtype=torch.bool)}
-        self._last = zeros(count)            # each slot's last kept position of a verify step, for `commit`
+        self._head = StagedInputs({"tokens": zeros(rows), "positions": zeros(rows),
+                                   "active": zeros(rows, dtype=torch.bool), "last": zeros(count),
+                                   "lengths": zeros(count), "going": zeros(max(most - 1, 1), count, dtype=torch.bool)})
+        self._verify = StagedInputs({"tokens": zeros(rows), "positions": zeros(rows),
+                                     "active": zeros(rows, dtype=torch.bool)})
+        self._last = StagedInputs({"last": zeros(count)})   # each slot's last kept position, for `commit`
         self._drafts: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self._verifies: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._commits: dict[int, torch.cuda.CUDAGraph] = {}
@@ -57,7 +59,7 @@ class SpeculativeRunner:
     def _draft_pass(self, k: int) -> torch.Tensor | None:
         """The head over the unseen rows, then k - 1 chained passes -> drafts [k, N] (None for k = 0: the pass
         only writes the head's cache)."""
-        head, model = self._head, self.model
+        head, model = self._head.inputs, self.model
         with torch.inference_mode():
             logits, carry = model.draft_rows(self._streams, head["tokens"], head["positions"], head["active"],
                                              self.states, self.rope, substeps=self.head_rows, logits=k > 0,
@@ -75,13 +77,13 @@ class SpeculativeRunner:
 
     def _verify_pass(self, substeps: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = substeps * self.count
-        v = self._verify
+        v = self._verify.inputs
         with torch.inference_mode():
             return self.model.verify_rows(v["tokens"][:n], v["positions"][:n], v["active"][:n], self.states,
                                           self.rope, substeps)
 
     def _commit_pass(self, substeps: int) -> None:
-        self.states.commit(self._last, substeps)
+        self.states.commit(self._last.inputs["last"], substeps)
 
     # ---- graphs ----------------------------------------------------------------------------------------------
     def _capture(self) -> None:
@@ -95,7 +97,7 @@ class SpeculativeRunner:
         # one while the device waits. Captured keeping every row's state as it is (each row's last position the
         # step's last), so the capture's own runs change nothing.
         for substeps in range(2, self.most + 2):
-            self._last.fill_(substeps - 1)
+            self._last.inputs["last"].fill_(substeps - 1)
             self._commits[substeps] = capture_graph(lambda s=substeps: self._commit_pass(s), self.device, pool)[0]
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - started
@@ -107,33 +109,33 @@ class SpeculativeRunner:
     def draft(self, k: int, streams: dict[int, torch.Tensor], tokens: list[list[int]], positions: list[list[int]],
               active: list[list[bool]], last: list[int], lengths: list[int], going: list[list[bool]]
               ) -> torch.Tensor | None:
-        """Drafts [k, N] on the device (None for k = 0). `streams`: slot index -> its unseen positions' main
-        streams [m, hc*H]; tokens/positions/active [most + 1][N] (row j of slot i: its j-th unseen position);
-        `last`: each slot's row giving draft 1 (index into the flattened rows); `lengths` [N]; `going` [k - 1][N]:
-        the slots that draft at depth 2..k. Valid until the next draft."""
+        """Drafts [k, N] on the device (None for k = 0), queued: nothing waits for them. `streams`: slot index ->
+        its unseen positions' main streams [m, hc*H]; tokens/positions/active [most + 1][N] (row j of slot i: its
+        j-th unseen position); `last`: each slot's row giving draft 1 (index into the flattened rows); `lengths`
+        [N]; `going` [k - 1][N]: the slots that draft at depth 2..k. Valid until the next draft."""
         view = self._streams.view(self.head_rows, self.count, -1)
         view.zero_()
         for index, seen in streams.items():
             view[:seen.shape[0], index].copy_(seen)
-        for name, values in (("tokens", tokens), ("positions", positions), ("active", active), ("last", last),
-                             ("lengths", lengths)):
-            _fill(self._head[name], values)
-        if going:
-            _fill(self._head["going"][:len(going)], going)
+        self._head.write(tokens=tokens, positions=positions, active=active, last=last, lengths=lengths,
+                         **({"going": going} if going else {}))
         if k in self._drafts:
             graph, out = self._drafts[k]
             graph.replay()
             return out
         return self._draft_pass(k)
 
-    def verify(self, tokens: list[list[int]], positions: list[list[int]], active: list[list[bool]]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def verify(self, tokens: list[list[int]], positions: list[list[int]], active: list[list[bool]],
+               drafts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The verify step over len(tokens) positions a slot ([S][N], position-major) -> (logits [S*N, V], streams
-        [S*N, hc*H]), valid until the next verify step of that length."""
+        [S*N, hc*H]), valid until the next verify step of that length. Rows 1.. take their tokens from `drafts`
+        [S - 1, N] on the device (the host's values there are placeholders), so the step queues behind the
+        drafting without the host waiting for it."""
         substeps = len(tokens)
         n = substeps * self.count
-        for name, values in (("tokens", tokens), ("positions", positions), ("active", active)):
-            _fill(self._verify[name][:n], values)
+        self._verify.write(tokens=tokens, positions=positions, active=active)
+        if drafts is not None and substeps > 1:
+            self._verify.inputs["tokens"][self.count:n].copy_(drafts[:substeps - 1].reshape(-1))
         if substeps in self._verifies:
             graph, out = self._verifies[substeps]
             graph.replay()
@@ -143,13 +145,33 @@ class SpeculativeRunner:
     def commit(self, last: list[int], substeps: int) -> None:
         """After a verify step of `substeps` positions a slot: each slot's carried state as after its position
         last[i] (StateBatch.commit)."""
-        _fill(self._last, last)
+        self._last.write(last=last)
         if substeps in self._commits:
             self._commits[substeps].replay()
         else:
             self._commit_pass(substeps)
 
 
-def _fill(target: torch.Tensor, values: list) -> None:
-    """A static input's values from the host (nested lists flattened in order)."""
-    target.copy_(torch.tensor(values, dtype=target.dtype).view(target.shape))
+class StagedInputs:
+    """Static device inputs written from the host without waiting for the device: the values go through pinned
+    buffers, copied behind the work already queued (a plain copy from pageable memory would wait for all of it).
+    A buffer is reused once the device has taken its last values."""
+
+    def __init__(self, inputs: dict[str, torch.Tensor]):
+        self.inputs = inputs
+        self.device = next(iter(inputs.values())).device
+        pinned = self.device.type == "cuda"
+        self._host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for name, t in inputs.items()}
+        self._taken = torch.cuda.Event() if pinned else None
+
+    def write(self, **values: list) -> None:
+        """Each named input's leading values, nested lists flattened in order."""
+        if self._taken is not None:
+            self._taken.synchronize()
+        for name, nested in values.items():
+            flat = torch.tensor(nested, dtype=self._host[name].dtype).view(-1)
+            host = self._host[name].view(-1)[:flat.numel()]
+            host.copy_(flat)
+            self.inputs[name].view(-1)[:flat.numel()].copy_(host, non_blocking=self._taken is not None)
+        if self._taken is not None:
+            self._taken.record(torch.cuda.current_stream(self.device))
