@@ -334,6 +334,8 @@ def test_a_host_table_drawn_a_slice_at_a_time_is_whole_and_the_same_each_time(mo
     values = dequantize(tables[0], qtype)
     assert torch.isfinite(values).all() and (values != 0).any(dim=1).all()       # every row drawn, its last too
     assert 0.5 < float(values.std()) < 2
+    random_weights.fill_through(torch.zeros(0, row_bytes, dtype=torch.uint8), qtype, 1.0, seed=4,
+                                device=torch.device("cpu"))       # an empty table: nothing to draw, no error
 
 
 @pytest.mark.parametrize("name, shape, message", [

@@ -77,6 +77,8 @@ def fill_through(blocks: torch.Tensor, qtype: str, std: float, seed: int, device
     """Random `qtype` blocks into `blocks` (rows of whole blocks, anywhere), drawn on `device` HOST_SLICE_BYTES at a
     time, slice i with seed (seed, i), and copied into place."""
     rows = blocks.view(-1, blocks.shape[-1])
+    if not rows.numel():
+        return
     slices = rows.split(max(1, HOST_SLICE_BYTES // rows.shape[1]))
     staging = torch.empty(slices[0].shape, dtype=torch.uint8, device=device)
     for i, target in enumerate(slices):

@@ -297,7 +297,7 @@ def moe_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up:
     Three launches (gate/up, down, slot sum) whose grids depend only on the shapes: CUDA-graph safe."""
     rows, hidden, inter, top_k = _check(x, ids, weights, gate_up, down)
     if rows == 0 or top_k == 0:
-        return torch.zeros_like(x) if shared is None else torch.sigmoid(shared[1]) * shared[0]
+        return _nothing_routed(x, shared)
     flags = _flags(active, rows)
     return combine_slots(pair_outputs(x, ids, weights, gate_up, down, flags), flags, top_k, x.dtype, shared)
 
@@ -349,6 +349,12 @@ def grouped_configs(device: torch.device, itemsize: int, m: int = GROUPED_BLOCK_
             dn | {"num_stages": guard.stages_for(device, down_stage, dn["num_stages"])})
 
 
+def _nothing_routed(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """No (token, slot) pair to run: the routed sum is zero, and the shared expert's term is added to it."""
+    routed = torch.zeros_like(x)
+    return routed if shared is None else routed + torch.sigmoid(shared[1]) * shared[0]
+
+
 def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                 down: torch.Tensor, form: GroupedForm | None = None,
                 shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -359,8 +365,7 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_
     as moe_rows adds it (each op rounded as torch's would be)."""
     rows, hidden, inter, top_k = _check(x, ids, weights, gate_up, down)
     if rows == 0 or top_k == 0:
-        routed = torch.zeros_like(x)
-        return routed if shared is None else routed + torch.sigmoid(shared[1]) * shared[0]
+        return _nothing_routed(x, shared)
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     gate_up, down = _dense_contiguous(gate_up), _dense_contiguous(down)
     num_experts = gate_up.shape[0]
