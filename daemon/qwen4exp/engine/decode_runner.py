@@ -17,6 +17,7 @@ import torch
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .cuda_graph import capture_graph
 from .segmented_decode import SegmentedDecode
+from .staged_inputs import StagedInputs
 from .state import StateBatch
 
 log = logging.getLogger("qwen4exp.engine")
@@ -58,11 +59,10 @@ class DecodeRunner:
         rows = len(states.rows)
         self.model, self.states, self.device = model, states, device
         pinned = device.type == "cuda"
-        self._host = {name: torch.zeros(rows, dtype=dtype, pin_memory=pinned)
-                      for name, dtype in (("tokens", torch.long), ("positions", torch.long), ("active", torch.bool))}
-        self._inputs = {name: torch.zeros(rows, dtype=t.dtype, device=device) for name, t in self._host.items()}
+        self._staged = StagedInputs({name: torch.zeros(rows, dtype=dtype, device=device) for name, dtype in
+                                     (("tokens", torch.long), ("positions", torch.long), ("active", torch.bool))})
+        self._inputs = self._staged.inputs
         self.rope = model.rope_table(states.capacity, device)
-        self._copied = torch.cuda.Event() if pinned else None   # the host buffers are free again
         self._argmax_host = torch.zeros(rows, dtype=torch.long, pin_memory=pinned)
         self._logits_host: torch.Tensor | None = None     # [rows, V] pinned, made at the first launch that needs it
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -129,14 +129,7 @@ class DecodeRunner:
     def step(self, tokens: list[int], positions: list[int], active: list[bool]) -> torch.Tensor:
         """Logits [rows, V] for one token per row; advances the state of the active rows only (their
         lengths are the caller's to advance)."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        for name, values in (("tokens", tokens), ("positions", positions), ("active", active)):
-            host = self._host[name]
-            host.copy_(torch.tensor(values, dtype=host.dtype))
-            self._inputs[name].copy_(host, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record(torch.cuda.current_stream(self.device))
+        self._staged.write(tokens=tokens, positions=positions, active=active)
         if self.graph is None:
             return self._run()
         self.graph.replay()

@@ -22,6 +22,7 @@ import torch
 
 from .cuda_graph import capture_graph
 from .model.causal_lm import Qwen4ExpForCausalLM
+from .staged_inputs import StagedInputs
 from .state import StateBatch
 
 log = logging.getLogger("qwen4exp.engine")
@@ -151,27 +152,3 @@ class SpeculativeRunner:
         else:
             self._commit_pass(substeps)
 
-
-class StagedInputs:
-    """Static device inputs written from the host without waiting for the device: the values go through pinned
-    buffers, copied behind the work already queued (a plain copy from pageable memory would wait for all of it).
-    A buffer is reused once the device has taken its last values."""
-
-    def __init__(self, inputs: dict[str, torch.Tensor]):
-        self.inputs = inputs
-        self.device = next(iter(inputs.values())).device
-        pinned = self.device.type == "cuda"
-        self._host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for name, t in inputs.items()}
-        self._taken = torch.cuda.Event() if pinned else None
-
-    def write(self, **values: list) -> None:
-        """Each named input's leading values, nested lists flattened in order."""
-        if self._taken is not None:
-            self._taken.synchronize()
-        for name, nested in values.items():
-            flat = torch.tensor(nested, dtype=self._host[name].dtype).view(-1)
-            host = self._host[name].view(-1)[:flat.numel()]
-            host.copy_(flat)
-            self.inputs[name].view(-1)[:flat.numel()].copy_(host, non_blocking=self._taken is not None)
-        if self._taken is not None:
-            self._taken.record(torch.cuda.current_stream(self.device))
