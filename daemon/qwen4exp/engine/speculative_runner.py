@@ -151,4 +151,3 @@ class SpeculativeRunner:
             self._commits[substeps].replay()
         else:
             self._commit_pass(substeps)
-
