@@ -18,7 +18,10 @@ Measured, for each slot count:
    accepted drafts, and where the drafting engine's time went (the head's drafting, the verify step, the rest; on a
    GPU as spans of the device's timeline), whether every answer was plain decoding's; "oracle" in the form the
    engine runs today, "oracle_together" with every decode product in fixed row tiles and the verify step's
-   positions together (both engines);
+   positions together (both engines). With --accuracies below 1 the oracle's drafts are each wrong with the
+   rest's chance (`_accuracy_P`), and with --choices adaptive the drafting engine chooses its drafts itself
+   (`_adaptive`: from each slot's acceptance and, on a GPU, its step costs measured at start, `step_costs_ms`):
+   measured tok/s at a given acceptance, where section 3 computes it;
 3. tok/s at a mean acceptance length of 2.6 tokens per step (vLLM's figure for 3 drafts on the FP8 model), from
    the measured times: 2.6 tokens a slot / the oracle run's whole time per step (drafting, verifying and the
    engine's own work around them: a step of 3 drafts costs that whether 1 or all 3 are taken).
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import random
 import statistics
 import time
 from pathlib import Path
@@ -136,18 +140,20 @@ def verify_costs(model, slots: int, drafts: list[int], device: torch.device, rep
     return out
 
 
-def oracle_run(model, slots: int, tokens: int, device: torch.device, context: int, together: bool) -> dict:
+def oracle_run(model, slots: int, tokens: int, device: torch.device, context: int, together: bool,
+               accuracy: float = 1.0, adaptive: bool = False) -> dict:
     """Plain decoding, then 3 drafts a step from an oracle (section 2); `together`: both engines with every decode
     product in fixed row tiles and the verify step's positions in one pass (ops.rows_independent)."""
     ops = type(model.ops)
     ops.rows_independent = together
     try:
-        return _oracle_run(model, slots, tokens, device, context)
+        return _oracle_run(model, slots, tokens, device, context, accuracy, adaptive)
     finally:
         ops.rows_independent = False
 
 
-def _oracle_run(model, slots: int, tokens: int, device: torch.device, context: int) -> dict:
+def _oracle_run(model, slots: int, tokens: int, device: torch.device, context: int, accuracy: float,
+                adaptive: bool) -> dict:
     prompts = [[(7 * i + j) % 900 + 1 for j in range(32 + 8 * i)] for i in range(slots)]
 
     timing = {"draft": 0.0, "verify": 0.0}
@@ -187,6 +193,7 @@ def _oracle_run(model, slots: int, tokens: int, device: torch.device, context: i
         spans.append((name, begin, end))
         return out
 
+    luck = random.Random(0)         # which of the oracle's drafts are wrong, at an accuracy below 1
     plain, plain_s, _, plain_steps = run()
     answers = {tuple(r.prompt_ids): r.output_ids for r in plain}
     real_draft, real_verify = Drafter.draft, Drafter.verify
@@ -199,7 +206,8 @@ def _oracle_run(model, slots: int, tokens: int, device: torch.device, context: i
         for slot in decoding:
             answer, done = answers[tuple(slot.request.prompt_ids)], len(slot.request.output_ids)
             for i, token in enumerate(answer[done:done + drafts.counts[slot.index]]):
-                tokens[i][slot.index] = token
+                right = accuracy >= 1 or luck.random() < accuracy
+                tokens[i][slot.index] = token if right else (token + 1) % model.config.vocab_size
         host = torch.tensor(tokens)
         if device.type == "cuda":
             host = host.pin_memory()
@@ -210,21 +218,25 @@ def _oracle_run(model, slots: int, tokens: int, device: torch.device, context: i
 
     Drafter.draft, Drafter.verify = oracle_draft, timed_verify
     try:
-        drafted, drafted_s, engine, steps = run(mtp=3, mtp_adaptive=False)
+        drafted, drafted_s, engine, steps = run(mtp=3, mtp_adaptive=adaptive)
     finally:
         Drafter.draft, Drafter.verify = real_draft, real_verify
     same = [r.output_ids for r in drafted] == [r.output_ids for r in plain]
     generated = sum(len(r.output_ids) - 1 for r in plain)
+    accepted = sum(r.mtp_accepted for r in drafted)      # the timed requests' (not the warm-up's)
     per_step = drafted_s / max(steps, 1)
     return {"same_answers": same, "generated": generated, "plain_tok_s": round(generated / plain_s, 1),
             "oracle_tok_s": round(generated / drafted_s, 1), "oracle_speedup": round(plain_s / drafted_s, 3),
-            "accepted": engine.drafter.counters.accepted, "drafted": engine.drafter.counters.drafted,
+            "accepted": accepted, "drafted": sum(r.mtp_drafted for r in drafted),
             "verify_steps": steps, "plain_steps": plain_steps,
             "draft_ms_per_step": round(1e3 * timing["draft"] / max(steps, 1), 3),
             "verify_ms_per_step": round(1e3 * timing["verify"] / max(steps, 1), 3),
             "other_ms_per_step": round(1e3 * (drafted_s - timing["draft"] - timing["verify"]) / max(steps, 1), 3),
             f"tok_s_at_acceptance_length_{ACCEPTANCE_LENGTH}": round(slots * ACCEPTANCE_LENGTH / per_step, 1),
-            "plain_ms_per_step": round(1e3 * plain_s / max(plain_steps, 1), 3)}
+            "plain_ms_per_step": round(1e3 * plain_s / max(plain_steps, 1), 3),
+            "accuracy": accuracy, "adaptive": adaptive,
+            "tokens_per_slot_step": round(generated / max(generated - accepted, 1), 3),
+            "step_costs_ms": engine.drafter.length.costs.table() if engine.drafter.length.costs else None}
 
 
 def main() -> None:
@@ -247,6 +259,12 @@ def main() -> None:
     parser.add_argument("--oracle-only", action="store_true", help="skip section 1 (the steps' own timings)")
     parser.add_argument("--oracle-forms", default="one_by_one,together",
                         help="section 2's forms, comma-separated, or none (each form runs two engines)")
+    parser.add_argument("--accuracies", default="1",
+                        help="section 2: the share of the oracle's drafts that are right, comma-separated (1: all; "
+                        "below 1 each draft is wrong with the rest's chance, seeded), each run as --choices says")
+    parser.add_argument("--choices", default="fixed",
+                        help="section 2: fixed (3 drafts a step), adaptive (the engine's choice from each slot's "
+                        "acceptance and, on a GPU, its measured step costs), or both, comma-separated")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.ple == "host" and not args.quant:
@@ -255,6 +273,10 @@ def main() -> None:
     oracle_forms = [] if args.oracle_forms == "none" else args.oracle_forms.split(",")
     if unknown := set(oracle_forms) - set(forms):
         parser.error(f"--oracle-forms: unknown form {sorted(unknown)[0]!r}; the forms are {', '.join(forms)} or none")
+    accuracies = [float(a) for a in args.accuracies.split(",")]
+    choices = args.choices.split(",")
+    if bad := [a for a in accuracies if not 0 <= a <= 1] + sorted(set(choices) - {"fixed", "adaptive"}):
+        parser.error(f"--accuracies are shares from 0 to 1 and --choices fixed or adaptive; got {bad[0]!r}")
     device = torch.device(args.device)
     started = time.perf_counter()
     if args.checkpoint:
@@ -278,8 +300,13 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=1))
         for form in oracle_forms:
             key, together = forms[form]
-            entry[key] = oracle_run(model, slots, args.tokens, device, 1024, together)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            for accuracy in accuracies:
+                for choice in choices:
+                    name = key + ("" if accuracy == 1 else f"_accuracy_{accuracy}") + (
+                        "_adaptive" if choice == "adaptive" else "")
+                    entry[name] = oracle_run(model, slots, args.tokens, device, 1024, together, accuracy,
+                                             choice == "adaptive")
+                    Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 
 

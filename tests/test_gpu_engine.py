@@ -251,6 +251,29 @@ def test_mtp_on_equals_off_on_the_gpu(models, name, slots, together, monkeypatch
         assert_same_logits(got, want, f"{name}, {slots} slots, {len(want.prompt_ids)}-token prompt, with drafts")
 
 
+def test_mtp_drafting_by_measured_step_costs_on_the_gpu(models, monkeypatch):
+    """An adaptive engine measures its graphed steps at start (every slot empty, and left so) and drafts what
+    that table says pays: plain decoding's logits rows all the same."""
+    from test_speculative import _oracle
+
+    from qwen4exp.engine.model.triton_ops import TritonOps
+
+    monkeypatch.setattr(TritonOps, "rows_independent", True)
+    record_logits(monkeypatch)
+    model, specs, starts = models["bfloat16"], _specs(), [0, 2, 5, 9]
+    plain = run_staggered(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK), specs, starts)
+    _oracle(monkeypatch, {tuple(s["prompt_ids"]): r.output_ids for s, r in zip(specs, plain)}, random.Random(3),
+            wrong=0.3)
+    engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, mtp=3)
+    costs = engine.drafter.length.costs
+    assert costs is not None and costs.busy == [1, 2, 4] and sorted(costs.seconds) == [1, 2, 3, 4]
+    assert all(t > 0 for times in costs.seconds.values() for t in times)
+    assert all(not t.any() for t in engine.pool.states.carried() if t.dtype != torch.long)
+    drafted = run_staggered(engine, specs, starts)
+    for got, want in zip(drafted, plain):
+        assert_same_logits(got, want, f"{len(want.prompt_ids)}-token prompt, drafts chosen by cost")
+
+
 # ---- split serving (engine/placement.py): layers on another device, handed across at each boundary -----------------
 def _split(tiny_checkpoint, dtype: str, target: str, device: str, layers: int):
     from qwen4exp.engine.placement import Placement

@@ -20,7 +20,8 @@ from qwen4exp.engine.prefix_cache import PrefixCache
 from qwen4exp.engine.request import FinishReason, Request
 from qwen4exp.engine.sampling import SamplingParams
 from qwen4exp.engine.snapshot import SnapshotBackend
-from qwen4exp.engine.speculative import DraftLength, Drafter, Drafts
+from qwen4exp.engine.draft_length import DraftLength, StepCosts
+from qwen4exp.engine.speculative import Drafter, Drafts
 from qwen4exp.model_dir import EMBEDDED_MODEL
 from qwen4exp.tokenizer import Tokenizer
 from logits_record import assert_same_logits, record_logits
@@ -207,6 +208,60 @@ def test_draft_length_follows_acceptance():
     for _ in range(30):
         high = length.update(high, drafted=2, accepted=2)
     assert length.choose(high, 0) == 3
+
+
+def _costs(step) -> StepCosts:
+    """A cost table of step(substeps, rows) seconds, as SpeculativeRunner.measure lays it out for 4 slots."""
+    busy = [1, 2, 4]
+    return StepCosts(busy, {s: [step(s, b * s) for b in busy] for s in range(1, 5)})
+
+
+def test_a_step_drafts_what_its_measured_costs_say_pays():
+    """With the step's costs known, the drafts are those with the most expected tokens per second: all of them
+    where verifying more costs nothing, none where each verified row costs as much as a plain step (a probe now
+    and then aside), and where a step's rows cost a little, the likely drafts of the slots that have them."""
+    length = DraftLength(most=3, costs=_costs(lambda s, rows: 1.0))
+    assert length.choose_step({0: (0.5, 0, 10), 1: (0.1, 0, 2), 2: (0.9, 0, 0)}) == {0: 3, 1: 2, 2: 0}
+    length.costs = _costs(lambda s, rows: float(rows))
+    assert length.choose_step({0: (0.95, 0, 10), 1: (0.9, 0, 10)}) == {0: 0, 1: 0}
+    assert length.choose_step({0: (0.95, length.probe_every, 10), 1: (0.9, 0, 10)}) == {0: 1, 1: 0}
+    # A step: 1 + 0.1 a verified row beyond a slot's first; 0.05 a position of its length (the head's passes).
+    length.costs = _costs(lambda s, rows: 1.0 + 0.05 * (s - 1) + 0.1 * (rows - rows // s))
+    chosen = length.choose_step({0: (0.9, 0, 10), 1: (0.8, 0, 10), 2: (0.1, 0, 10), 3: (0.05, 0, 10)})
+    assert chosen[0] == 3 and chosen[1] >= 2 and chosen[2] == chosen[3] == 0, chosen
+    # The rows priced between the measured slot counts: 3 busy slots' 6 rows of 2 positions, halfway from 2 to 4.
+    costs = _costs(lambda s, rows: float(rows))
+    assert costs.step(2, 6) == pytest.approx(6.0) and costs.step(1, 1) == 1.0
+    # Not adaptive, or no costs: the acceptance rule, slot by slot, within each slot's room.
+    assert DraftLength(most=3).choose_step({0: (0.9, 0, 10), 1: (0.9, 0, 1), 2: (0.2, 0, 5)}) == {0: 3, 1: 1, 2: 0}
+    assert DraftLength(most=3, adaptive=False, costs=costs).choose_step({0: (0.0, 0, 10)}) == {0: 3}
+
+
+def test_drafting_by_measured_costs_keeps_the_answers_and_the_state(model, monkeypatch):
+    """The runner's own measurement (busy rows through every step length, on empty slots) leaves the slots as
+    they were, and an engine drafting by the table it gives, or by a table that prices drafts out, gives plain
+    decoding's answers; priced out, it drafts only its probes."""
+    rng = random.Random(4)
+    specs = [_spec(rng) for _ in range(5)]
+    starts = sorted(rng.randint(0, 12) for _ in specs)
+    plain = run_staggered(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK), specs, starts)
+    _oracle(monkeypatch, {tuple(s["prompt_ids"]): r.output_ids for s, r in zip(specs, plain)}, rng, wrong=0.2)
+    for priced_out in (False, True):
+        engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, mtp=3)
+        before = [t.clone() for t in engine.pool.states.carried()]
+        costs = engine.drafter.runner.measure(repeats=1)
+        assert all(torch.equal(a, b) for a, b in zip(before, engine.pool.states.carried()))
+        assert costs.busy == [1, 2, 4] and sorted(costs.seconds) == [1, 2, 3, 4]
+        assert all(t > 0 for times in costs.seconds.values() for t in times)
+        engine.drafter.length.costs = _costs(lambda s, rows: float(rows)) if priced_out else costs
+        drafted = run_staggered(engine, specs, starts)
+        assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+        counters = engine.drafter.counters
+        if priced_out:
+            probes = 1 + engine.counters.decode_steps // engine.drafter.length.probe_every
+            assert counters.drafted <= 4 * probes, counters
+        else:
+            assert counters.accepted > 0
 
 
 def test_mtp_settings_are_checked_where_they_are_given(tmp_path):

@@ -13,47 +13,23 @@ An engine step with drafting, for every decoding slot at once:
    first mismatch ends the slot's tokens for the step, and the carried state is committed to the last position
    kept (StateBatch.commit). So the output is plain decoding's, bit for bit, greedy or seeded.
 
-Drafts only cost time, so how many a slot gets is a matter of speed: with `adaptive`, each slot drafts as far as
-its recent acceptance says a draft is still likely to be taken (DraftLength).
+Drafts only cost time, so how many a slot gets is a matter of speed: with `adaptive`, from each slot's recent
+acceptance and, where the runner measured its steps (a GPU), what each step length costs (draft_length.py).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from .draft_length import DraftLength
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .slots import Slot, SlotPool
 from .speculative_runner import SpeculativeRunner
 
-
-@dataclass
-class DraftLength:
-    """How many tokens a slot drafts: as many as its acceptance estimate p gives a chance of at least `useful` of
-    all being taken (p ** k >= useful), up to `most`; a slot at 0 drafts one every `probe_every` steps, so that its
-    estimate can recover. Not adaptive: always `most`."""
-    most: int
-    adaptive: bool = True
-    useful: float = 0.3
-    initial: float = 0.6
-    weight: float = 0.1                # of one tested draft in the running estimate
-    probe_every: int = 16
-
-    def choose(self, acceptance: float, steps_without: int) -> int:
-        if not self.adaptive:
-            return self.most
-        k = 0
-        while k < self.most and acceptance ** (k + 1) >= self.useful:
-            k += 1
-        return 1 if k == 0 and steps_without >= self.probe_every else k
-
-    def update(self, acceptance: float, drafted: int, accepted: int) -> float:
-        """The estimate after a step that drafted `drafted` and accepted the first `accepted` of them: each draft
-        tested (up to the first rejection) counts once."""
-        for taken in [True] * accepted + [False] * (accepted < drafted):
-            acceptance += self.weight * (float(taken) - acceptance)
-        return acceptance
+log = logging.getLogger("qwen4exp.engine")
 
 
 @dataclass
@@ -102,6 +78,12 @@ class Drafter:
         self.counters = DraftCounters(accepted_at=[0] * most)
         pool.states.allocate_history(most)
         self.runner = SpeculativeRunner(model, pool.states, rope, self.device, most, graphs)
+        # A graph's cost is fixed: measured once, it prices every step (DraftLength). Eager steps' costs vary with
+        # the host's load, so off graphs the slots draft by acceptance alone.
+        if adaptive and self.runner.graphed:
+            self.length.costs = self.runner.measure()
+            log.info("speculative step costs, ms by positions verified a slot, then busy slots: %s",
+                     self.length.costs.table())
         self._slots = [_SlotDrafting(self.length.initial) for _ in pool.slots]
 
     @property
@@ -138,13 +120,13 @@ class Drafter:
     def draft(self, decoding: list[Slot]) -> Drafts:
         """Each decoding slot's drafts, queued on the device (possibly none)."""
         count = len(self.pool.slots)
-        wanted = {}
+        wanted = dict.fromkeys((s.index for s in decoding), 0)
+        wanted.update(self.length.choose_step({
+            s.index: (self._slots[s.index].acceptance, self._slots[s.index].steps_without, self._room(s))
+            for s in decoding if self._slots[s.index].streams is not None}))
         for slot in decoding:
             drafting = self._slots[slot.index]
-            k = 0 if drafting.streams is None else min(self._room(slot),
-                                                       self.length.choose(drafting.acceptance, drafting.steps_without))
-            wanted[slot.index] = k
-            drafting.steps_without = 0 if k else drafting.steps_without + 1
+            drafting.steps_without = 0 if wanted[slot.index] else drafting.steps_without + 1
         seeing = [s for s in decoding if self._slots[s.index].streams is not None]
         if not seeing:
             return Drafts(wanted)

@@ -16,11 +16,13 @@ bounds it on a GPU (docs/PERFORMANCE.md, the MTP section).
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 
 import torch
 
 from .cuda_graph import capture_graph
+from .draft_length import StepCosts
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .staged_inputs import StagedInputs
 from .state import StateBatch
@@ -105,6 +107,49 @@ class SpeculativeRunner:
         log.info("speculative steps captured as CUDA graphs (drafts 0..%d, verify and commit 1..%d positions) in "
                  "%.2f s",
                  self.most, self.most + 1, self.capture_seconds)
+
+    @property
+    def graphed(self) -> bool:
+        return bool(self._verifies)
+
+    def measure(self, repeats: int = 3) -> StepCosts:
+        """Each step length's cost as the engine's steps run it (draft, verify, commit; inputs written, graphs
+        replayed, the host waiting for the end), median of `repeats`, with 1, 2, 4, ... and every slot busy.
+        Made while every slot is empty: the busy rows' state is cleared afterwards, and their position-indexed
+        writes fall where a prompt writes before anything reads them."""
+        busy_counts = sorted({min(2 ** i, self.count) for i in range(self.count.bit_length() + 1)})
+        seconds: dict[int, list[float]] = {}
+        for substeps in range(1, self.most + 2):
+            seconds[substeps] = []
+            for busy in busy_counts:
+                times = []
+                for _ in range(repeats + 1):         # the first replay of a shape is not timed
+                    self._wait()
+                    started = time.perf_counter()
+                    self._synthetic_step(substeps, busy)
+                    self._wait()
+                    times.append(time.perf_counter() - started)
+                seconds[substeps].append(statistics.median(times[1:]))
+        for row in self.states.rows:
+            row.reset()
+        return StepCosts(busy_counts, seconds)
+
+    def _wait(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _synthetic_step(self, substeps: int, busy: int) -> None:
+        """A step in which the first `busy` slots each draft substeps - 1 tokens and verify them all."""
+        count, k = self.count, substeps - 1
+        width = self._streams.shape[1]
+        on = [i < busy for i in range(count)]
+        rows = [[0] * count for _ in range(self.head_rows)]
+        head_active = [on] + [[False] * count for _ in range(self.head_rows - 1)]
+        drafts = self.draft(k, {i: self._streams.new_zeros(1, width) for i in range(busy)}, rows, rows, head_active,
+                            list(range(count)), [1] * count, [on] * (k - 1))
+        positions = [[j if on[i] else 0 for i in range(count)] for j in range(substeps)]
+        self.verify([[0] * count for _ in range(substeps)], positions, [on] * substeps, drafts)
+        self.commit([substeps - 1] * count, substeps)
 
     # ---- the engine's calls ----------------------------------------------------------------------------------
     def draft(self, k: int, streams: dict[int, torch.Tensor], tokens: list[list[int]], positions: list[list[int]],

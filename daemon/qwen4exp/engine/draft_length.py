@@ -1,0 +1,103 @@
+"""How many tokens each decoding slot drafts in a speculative step (speculative.py).
+
+Drafts only cost time: the output is plain decoding's whatever is drafted. Each slot keeps an estimate p of how
+often its drafts are taken (a running average of the drafts tested), so drafting k tokens is expected to give it
+1 + p + ... + p^k tokens in the step. What the drafts cost is a property of the device and the model: a verify step
+runs the longest slot's positions for every slot (one graph per length), and each position a slot verifies adds its
+own rows' expert reads. Where the engine measured its steps (StepCosts: on a GPU, where the steps are graphs with
+fixed costs), a step drafts what gives the most expected tokens per second of step, which is no drafts at all where
+the measured verify steps cost more than they give; elsewhere each slot drafts as far as p^k >= `useful`.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+
+
+@dataclass
+class StepCosts:
+    """Seconds of a speculative step (drafting, verifying and committing, as the engine runs them) by the positions
+    it verifies a slot (1 = no drafts) and its busy slots: `seconds[substeps][i]` with `busy[i]` slots verifying
+    `substeps` positions each, measured (SpeculativeRunner.measure). A step whose slots verify different numbers
+    of positions is priced by its verified rows, between the measured slot counts."""
+    busy: list[int]
+    seconds: dict[int, list[float]]
+
+    def step(self, substeps: int, rows: int) -> float:
+        """The seconds of a step verifying `substeps` positions for its longest slot and `rows` rows in all."""
+        at = self.seconds[substeps]
+        slots = max(rows / substeps, self.busy[0])
+        i = min(max(bisect_left(self.busy, slots), 1), len(self.busy) - 1) if len(self.busy) > 1 else 0
+        if i == 0:
+            return at[0]
+        low, high = self.busy[i - 1], self.busy[i]
+        return at[i - 1] + (at[i] - at[i - 1]) * (slots - low) / (high - low)
+
+    def table(self) -> dict[str, dict[str, float]]:
+        """For logs and benchmarks: milliseconds by positions verified, then busy slots."""
+        return {str(s): {str(b): round(1e3 * t, 3) for b, t in zip(self.busy, times)}
+                for s, times in self.seconds.items()}
+
+
+@dataclass
+class DraftLength:
+    """How many tokens the slots draft. Not adaptive: always `most` (as room allows). Adaptive with `costs`: the
+    drafts that maximise the step's expected tokens per second; without: as many as a slot's estimate p gives a
+    chance of at least `useful` of all being taken (p ** k >= useful). Either way a slot at 0 drafts one every
+    `probe_every` steps, so that its estimate can recover."""
+    most: int
+    adaptive: bool = True
+    useful: float = 0.3
+    initial: float = 0.6
+    weight: float = 0.1                # of one tested draft in the running estimate
+    probe_every: int = 16
+    costs: StepCosts | None = None
+
+    def choose(self, acceptance: float, steps_without: int) -> int:
+        """One slot's drafts by the acceptance rule (no costs known)."""
+        if not self.adaptive:
+            return self.most
+        k = 0
+        while k < self.most and acceptance ** (k + 1) >= self.useful:
+            k += 1
+        return self._probe(k, steps_without)
+
+    def choose_step(self, slots: dict[int, tuple[float, int, int]]) -> dict[int, int]:
+        """Every decoding slot's drafts for one step: slot index -> (acceptance, steps without drafts, the most it
+        has room for) -> drafts."""
+        if not self.adaptive or self.costs is None:
+            return {i: min(room, self.choose(p, without)) for i, (p, without, room) in slots.items()}
+        chosen = self._cheapest_per_token({i: (p, room) for i, (p, _, room) in slots.items()})
+        return {i: min(room, self._probe(chosen[i], without)) for i, (_, without, room) in slots.items()}
+
+    def _cheapest_per_token(self, slots: dict[int, tuple[float, int]]) -> dict[int, int]:
+        """The drafts with the most expected tokens per second of step. A slot's d-th draft is expected to add
+        p^d tokens and costs its row; the step's length is its longest slot's. For each longest length allowed,
+        the drafts are taken best first (a slot's in order, since p^d falls with d), each set priced."""
+        count = len(slots)
+        candidates = sorted(((p ** d, d, i) for i, (p, room) in slots.items()
+                             for d in range(1, min(room, self.most) + 1)), key=lambda c: (-c[0], c[1]))
+        best_rate, best = count / self.costs.step(1, count), (0, 0)
+        for cap in range(1, self.most + 1):
+            tokens, depth = float(count), 0
+            for taken, (gain, d, _) in enumerate((c for c in candidates if c[1] <= cap), start=1):
+                tokens, depth = tokens + gain, max(depth, d)
+                rate = tokens / self.costs.step(depth + 1, count + taken)
+                if rate > best_rate:
+                    best_rate, best = rate, (cap, taken)
+        cap, taken = best
+        drafts = dict.fromkeys(slots, 0)
+        for _, _, i in [c for c in candidates if c[1] <= cap][:taken]:
+            drafts[i] += 1
+        return drafts
+
+    def _probe(self, k: int, steps_without: int) -> int:
+        return 1 if k == 0 and steps_without >= self.probe_every else k
+
+    def update(self, acceptance: float, drafted: int, accepted: int) -> float:
+        """The estimate after a step that drafted `drafted` and accepted the first `accepted` of them: each draft
+        tested (up to the first rejection) counts once."""
+        for taken in [True] * accepted + [False] * (accepted < drafted):
+            acceptance += self.weight * (float(taken) - acceptance)
+        return acceptance
