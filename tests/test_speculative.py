@@ -200,14 +200,26 @@ def test_draft_length_follows_acceptance():
     assert length.choose(0.9, 0) == 3 and length.choose(0.6, 0) == 2 and length.choose(0.35, 0) == 1
     assert length.choose(0.2, 0) == 0 and length.choose(0.2, length.probe_every) == 1    # a probe now and then
     assert DraftLength(most=3, adaptive=False).choose(0.0, 0) == 3
-    low = 0.6
+    estimate = length.fresh()
     for _ in range(10):
-        low = length.update(low, drafted=2, accepted=0)
-    assert length.choose(low, 0) == 0
-    high = low
+        estimate.add(drafted=2, accepted=0, weight=length.weight)
+    assert length.choose(estimate.rate, 0) == 0
     for _ in range(30):
-        high = length.update(high, drafted=2, accepted=2)
-    assert length.choose(high, 0) == 3
+        estimate.add(drafted=2, accepted=2, weight=length.weight)
+    assert length.choose(estimate.rate, 0) == 3
+
+
+def test_the_acceptance_estimate_reads_the_share_of_drafts_taken():
+    """Drafts taken with probability 0.72 each, 3 a step (each step's tested drafts end at the first rejected):
+    the estimate settles at 0.72, where an average of the tested drafts one by one settled near 0.6."""
+    rng, estimate, seen = random.Random(0), DraftLength(most=3).fresh(), []
+    for _ in range(4000):
+        accepted = 0
+        while accepted < 3 and rng.random() < 0.72:
+            accepted += 1
+        estimate.add(3, accepted, 0.1)
+        seen.append(estimate.rate)
+    assert abs(sum(seen[100:]) / len(seen[100:]) - 0.72) < 0.02
 
 
 def _costs(step) -> StepCosts:

@@ -1,8 +1,8 @@
 """How many tokens each decoding slot drafts in a speculative step (speculative.py).
 
 Drafts only cost time: the output is plain decoding's whatever is drafted. Each slot keeps an estimate p of how
-often its drafts are taken (a running average of the drafts tested), so drafting k tokens is expected to give it
-1 + p + ... + p^k tokens in the step. What the drafts cost is a property of the device and the model: a verify step
+often its drafts are taken (Acceptance), so drafting k tokens is expected to give it 1 + p + ... + p^k tokens in the
+step. What the drafts cost is a property of the device and the model: a verify step
 runs the longest slot's positions for every slot (one graph per length), and each position a slot verifies adds its
 own rows' expert reads. Where the engine measured its steps (StepCosts: on a GPU, where the steps are graphs with
 fixed costs), a step drafts what gives the most expected tokens per second of step, which is no drafts at all where
@@ -41,6 +41,25 @@ class StepCosts:
 
 
 @dataclass
+class Acceptance:
+    """A slot's share of its tested drafts that were taken, over its recent steps: running averages of the drafts a
+    step took and of those it tested (the taken ones and the first rejected), p = their ratio. A running average of
+    the drafts one by one would lean toward each step's last draft tested, its rejected one, and read p low."""
+    taken: float
+    tested: float = 1.0
+
+    @property
+    def rate(self) -> float:
+        return self.taken / self.tested
+
+    def add(self, drafted: int, accepted: int, weight: float) -> None:
+        """A step that drafted `drafted` and took the first `accepted` of them, weighing `weight` of the averages."""
+        if drafted:
+            self.taken += weight * (accepted - self.taken)
+            self.tested += weight * (accepted + (accepted < drafted) - self.tested)
+
+
+@dataclass
 class DraftLength:
     """How many tokens the slots draft. Not adaptive: always `most` (as room allows). Adaptive with `costs`: the
     drafts that maximise the step's expected tokens per second; without: as many as a slot's estimate p gives a
@@ -50,7 +69,7 @@ class DraftLength:
     adaptive: bool = True
     useful: float = 0.3
     initial: float = 0.6
-    weight: float = 0.1                # of one tested draft in the running estimate
+    weight: float = 0.1                # of one step in a slot's Acceptance
     probe_every: int = 16
     costs: StepCosts | None = None
 
@@ -95,9 +114,6 @@ class DraftLength:
     def _probe(self, k: int, steps_without: int) -> int:
         return 1 if k == 0 and steps_without >= self.probe_every else k
 
-    def update(self, acceptance: float, drafted: int, accepted: int) -> float:
-        """The estimate after a step that drafted `drafted` and accepted the first `accepted` of them: each draft
-        tested (up to the first rejection) counts once."""
-        for taken in [True] * accepted + [False] * (accepted < drafted):
-            acceptance += self.weight * (float(taken) - acceptance)
-        return acceptance
+    def fresh(self) -> Acceptance:
+        """A new request's estimate, before any of its drafts were tested."""
+        return Acceptance(self.initial)

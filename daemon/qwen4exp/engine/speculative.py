@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .draft_length import DraftLength
+from .draft_length import Acceptance, DraftLength
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .slots import Slot, SlotPool
 from .speculative_runner import SpeculativeRunner
@@ -34,7 +34,7 @@ log = logging.getLogger("qwen4exp.engine")
 
 @dataclass
 class _SlotDrafting:
-    acceptance: float
+    acceptance: Acceptance
     steps_without: int = 0
     # The main streams [m, hc*H] of the slot's positions length-m..length-1 the head has not seen, and the
     # tokens after all but the last (the last one's is the slot's next token).
@@ -84,14 +84,14 @@ class Drafter:
             self.length.costs = self.runner.measure()
             log.info("speculative step costs, ms by positions verified a slot, then busy slots: %s",
                      self.length.costs.table())
-        self._slots = [_SlotDrafting(self.length.initial) for _ in pool.slots]
+        self._slots = [_SlotDrafting(self.length.fresh()) for _ in pool.slots]
 
     @property
     def most(self) -> int:
         return self.length.most
 
     def start(self, slot: Slot) -> None:
-        self._slots[slot.index] = _SlotDrafting(self.length.initial)
+        self._slots[slot.index] = _SlotDrafting(self.length.fresh())
 
     # ---- prompts ----------------------------------------------------------------------------------------------
     def after_prompt_chunk(self, slot: Slot, ids: torch.Tensor, streams: torch.Tensor, begin: int) -> None:
@@ -122,7 +122,7 @@ class Drafter:
         count = len(self.pool.slots)
         wanted = dict.fromkeys((s.index for s in decoding), 0)
         wanted.update(self.length.choose_step({
-            s.index: (self._slots[s.index].acceptance, self._slots[s.index].steps_without, self._room(s))
+            s.index: (self._slots[s.index].acceptance.rate, self._slots[s.index].steps_without, self._room(s))
             for s in decoding if self._slots[s.index].streams is not None}))
         for slot in decoding:
             drafting = self._slots[slot.index]
@@ -186,8 +186,7 @@ class Drafter:
         for index, count in kept.items():
             drafting, tried = self._slots[index], len(drafts[index])
             drafting.streams, drafting.tokens = streams[:count, index], drafts[index][:count - 1]
-            if tried:
-                drafting.acceptance = self.length.update(drafting.acceptance, tried, count - 1)
+            drafting.acceptance.add(tried, count - 1, self.length.weight)
 
     def count(self, drafted: int, accepted: int) -> None:
         """A slot's share of a step, finished or not (/metrics)."""
