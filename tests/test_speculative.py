@@ -251,29 +251,31 @@ def test_a_step_drafts_what_its_measured_costs_say_pays():
 
 def test_drafting_by_measured_costs_keeps_the_answers_and_the_state(model, monkeypatch):
     """The runner's own measurement (busy rows through every step length, on empty slots) leaves the slots as
-    they were, and an engine drafting by the table it gives, or by a table that prices drafts out, gives plain
-    decoding's answers; priced out, it drafts only its probes."""
+    they were, and an engine drafting by the table it gives, by one where drafts cost nothing, or by one that
+    prices them out, gives plain decoding's answers; drafts that cost nothing are made and taken, priced out only
+    the probes are made."""
     rng = random.Random(4)
     specs = [_spec(rng) for _ in range(5)]
     starts = sorted(rng.randint(0, 12) for _ in specs)
     plain = run_staggered(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK), specs, starts)
     _oracle(monkeypatch, {tuple(s["prompt_ids"]): r.output_ids for s, r in zip(specs, plain)}, rng, wrong=0.2)
-    for priced_out in (False, True):
+    for table in ("measured", "free", "priced out"):
         engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, mtp=3)
         before = [t.clone() for t in engine.pool.states.carried()]
         costs = engine.drafter.runner.measure(repeats=1)
         assert all(torch.equal(a, b) for a, b in zip(before, engine.pool.states.carried()))
         assert costs.busy == [1, 2, 4] and sorted(costs.seconds) == [1, 2, 3, 4]
         assert all(t > 0 for times in costs.seconds.values() for t in times)
-        engine.drafter.length.costs = _costs(lambda s, rows: float(rows)) if priced_out else costs
+        engine.drafter.length.costs = {"measured": costs, "free": _costs(lambda s, rows: 1.0),
+                                       "priced out": _costs(lambda s, rows: float(rows))}[table]
         drafted = run_staggered(engine, specs, starts)
-        assert [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+        assert [r.output_ids for r in drafted] == [r.output_ids for r in plain], table
         counters = engine.drafter.counters
-        if priced_out:
+        if table == "priced out":
             probes = 1 + engine.counters.decode_steps // engine.drafter.length.probe_every
             assert counters.drafted <= 4 * probes, counters
-        else:
-            assert counters.accepted > 0
+        elif table == "free":
+            assert counters.accepted > 0, counters
 
 
 def test_mtp_settings_are_checked_where_they_are_given(tmp_path):
