@@ -278,6 +278,32 @@ def test_drafting_by_measured_costs_keeps_the_answers_and_the_state(model, monke
             assert counters.accepted > 0, counters
 
 
+def test_steps_without_drafts_leave_the_head_for_later_and_it_catches_up(model):
+    """Priced out, a slot drafts only its probes, and the steps between skip the MTP head; the positions they
+    kept go through it when the slot next drafts (beyond the head's rows at once, as a prompt chunk). Its cache
+    then holds what a head run every step wrote there, and the answer is plain decoding's."""
+    prompt = [random.Random(8).randrange(1000) for _ in range(40)]
+    heads = {}
+    for table in ("free", "priced out"):
+        engine = Engine(model, slots=1, context=CONTEXT, chunk=CHUNK, mtp=3)
+        engine.drafter.length.costs = _costs(lambda s, rows: 1.0 if table == "free" else float(rows))
+        calls = []
+        real = engine.drafter.runner.draft
+        engine.drafter.runner.draft = lambda *a, **kw: calls.append(a[0]) or real(*a, **kw)
+        request = engine.submit(Request(prompt_ids=prompt, max_tokens=70))
+        engine.run_until_idle()
+        # The head has seen the positions before its unseen ones, which end where the last step began.
+        state, unseen = engine.pool.slots[0].state, engine.drafter._slots[0].streams
+        seen = state.length - 1 - (0 if unseen is None else unseen.shape[0])
+        heads[table] = (request.output_ids, seen, state.extra[0], len(calls), engine.counters.decode_steps)
+    (free_ids, free_seen, free_head, _, _), (ids, seen, head, passes, steps) = heads["free"], heads["priced out"]
+    assert ids == free_ids
+    assert passes < steps // 4 and seen > len(prompt) + 2 * DraftLength(most=3).probe_every, (passes, steps, seen)
+    for name in ("keys", "values", "index_keys"):
+        torch.testing.assert_close(getattr(head, name)[..., :seen, :], getattr(free_head, name)[..., :seen, :],
+                                   rtol=1e-4, atol=1e-5, msg=f"the head's {name}")
+
+
 def test_mtp_settings_are_checked_where_they_are_given(tmp_path):
     from qwen4exp.config import ConfigError, load_settings
     from qwen4exp.config.schema import MAX_DRAFTS as SCHEMA_MAX

@@ -145,8 +145,10 @@ class SpeculativeRunner:
         on = [i < busy for i in range(count)]
         rows = [[0] * count for _ in range(self.head_rows)]
         head_active = [on] + [[False] * count for _ in range(self.head_rows - 1)]
-        drafts = self.draft(k, {i: self._streams.new_zeros(1, width) for i in range(busy)}, rows, rows, head_active,
-                            list(range(count)), [1] * count, [on] * (k - 1))
+        drafts = None
+        if k:                                   # a step without drafts leaves the head for later (Drafter.draft)
+            drafts = self.draft(k, {i: self._streams.new_zeros(1, width) for i in range(busy)}, rows, rows,
+                                head_active, list(range(count)), [1] * count, [on] * (k - 1))
         positions = [[j if on[i] else 0 for i in range(count)] for j in range(substeps)]
         self.verify([[0] * count for _ in range(substeps)], positions, [on] * substeps, drafts)
         self.commit([substeps - 1] * count, substeps)
