@@ -198,7 +198,7 @@ def test_the_embedded_models_head_drafts_and_the_answers_do_not_change():
 def test_draft_length_follows_acceptance():
     length = DraftLength(most=3)
     assert length.choose(0.9, 0) == 3 and length.choose(0.6, 0) == 2 and length.choose(0.35, 0) == 1
-    assert length.choose(0.2, 0) == 0 and length.choose(0.2, length.probe_every) == 1    # a probe now and then
+    assert length.choose(0.2, 0) == 0 and length.choose(0.2, length.probe_every) == 3    # a probe now and then
     assert DraftLength(most=3, adaptive=False).choose(0.0, 0) == 3
     estimate = length.fresh()
     for _ in range(10):
@@ -236,7 +236,7 @@ def test_a_step_drafts_what_its_measured_costs_say_pays():
     assert length.choose_step({0: (0.5, 0, 10), 1: (0.1, 0, 2), 2: (0.9, 0, 0)}) == {0: 3, 1: 2, 2: 0}
     length.costs = _costs(lambda s, rows: float(rows))
     assert length.choose_step({0: (0.95, 0, 10), 1: (0.9, 0, 10)}) == {0: 0, 1: 0}
-    assert length.choose_step({0: (0.95, length.probe_every, 10), 1: (0.9, 0, 10)}) == {0: 1, 1: 0}
+    assert length.choose_step({0: (0.95, length.probe_every, 10), 1: (0.9, 0, 10)}) == {0: 3, 1: 0}
     # A step: 1 + 0.1 a verified row beyond a slot's first; 0.05 a position of its length (the head's passes).
     length.costs = _costs(lambda s, rows: 1.0 + 0.05 * (s - 1) + 0.1 * (rows - rows // s))
     chosen = length.choose_step({0: (0.9, 0, 10), 1: (0.8, 0, 10), 2: (0.1, 0, 10), 3: (0.05, 0, 10)})
@@ -273,15 +273,15 @@ def test_drafting_by_measured_costs_keeps_the_answers_and_the_state(model, monke
         counters = engine.drafter.counters
         if table == "priced out":
             probes = 1 + engine.counters.decode_steps // engine.drafter.length.probe_every
-            assert counters.drafted <= 4 * probes, counters
+            assert counters.drafted <= 4 * 3 * probes, counters
         elif table == "free":
             assert counters.accepted > 0, counters
 
 
-def test_steps_without_drafts_leave_the_head_for_later_and_it_catches_up(model):
-    """Priced out, a slot drafts only its probes, and the steps between skip the MTP head; the positions they
-    kept go through it when the slot next drafts (beyond the head's rows at once, as a prompt chunk). Its cache
-    then holds what a head run every step wrote there, and the answer is plain decoding's."""
+def test_steps_without_drafts_run_the_head_once_a_pass_of_positions(model):
+    """Priced out, a slot drafts only its probes, and the steps between leave the MTP head for later: it runs once
+    its first pass's rows (most + 1) are waiting, or at a probe. Its cache then holds what a head run every step
+    wrote there, and the answer is plain decoding's."""
     prompt = [random.Random(8).randrange(1000) for _ in range(40)]
     heads = {}
     for table in ("free", "priced out"):
@@ -298,7 +298,8 @@ def test_steps_without_drafts_leave_the_head_for_later_and_it_catches_up(model):
         heads[table] = (request.output_ids, seen, state.extra[0], len(calls), engine.counters.decode_steps)
     (free_ids, free_seen, free_head, _, _), (ids, seen, head, passes, steps) = heads["free"], heads["priced out"]
     assert ids == free_ids
-    assert passes < steps // 4 and seen > len(prompt) + 2 * DraftLength(most=3).probe_every, (passes, steps, seen)
+    probe_every = DraftLength(most=3).probe_every
+    assert passes <= steps // 4 + steps // probe_every + 1 and seen > len(prompt) + 2 * probe_every, (passes, steps)
     both = min(seen, free_seen)
     for name in ("keys", "values", "index_keys"):
         torch.testing.assert_close(getattr(head, name)[..., :both, :], getattr(free_head, name)[..., :both, :],

@@ -63,12 +63,14 @@ class Acceptance:
 class DraftLength:
     """How many tokens the slots draft. Not adaptive: always `most` (as room allows). Adaptive with `costs`: the
     drafts that maximise the step's expected tokens per second; without: as many as a slot's estimate p gives a
-    chance of at least `useful` of all being taken (p ** k >= useful). Either way a slot at 0 drafts one every
+    chance of at least `useful` of all being taken (p ** k >= useful). Either way a slot at 0 drafts the most every
     `probe_every` steps, so that its estimate can recover."""
     most: int
     adaptive: bool = True
     useful: float = 0.3
-    initial: float = 0.6
+    # A new request's estimate: high, so that it drafts and measures from its first steps. Below a step's break
+    # even it would draft only its probes and learn slowly, however well its drafts would be taken.
+    initial: float = 0.8
     weight: float = 0.1                # of one step in a slot's Acceptance
     probe_every: int = 16
     costs: StepCosts | None = None
@@ -112,7 +114,8 @@ class DraftLength:
         return drafts
 
     def _probe(self, k: int, steps_without: int) -> int:
-        return 1 if k == 0 and steps_without >= self.probe_every else k
+        # A probe drafts the most: each of its drafts up to the first rejected one is a measurement.
+        return self.most if k == 0 and steps_without >= self.probe_every else k
 
     def fresh(self) -> Acceptance:
         """A new request's estimate, before any of its drafts were tested."""

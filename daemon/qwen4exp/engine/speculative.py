@@ -5,8 +5,8 @@ An engine step with drafting, for every decoding slot at once:
    positions the last step kept, or a prompt's last one), each with the token after it: that writes the head's
    attention cache there from true inputs, and the last row's logits give draft 1. Drafts 2..k chain the head on
    its own streams and the draft before (their cache positions are rewritten from true inputs once verified).
-   A step in which no slot drafts skips the head: the positions wait, and the next step that drafts puts them
-   through it (those beyond its fixed rows at once, as a prompt chunk's).
+   A step in which no slot drafts skips the head: the positions wait for the next step that drafts, or for a
+   slot to have as many waiting as the head's first pass takes (most + 1).
 2. verify: the main model runs the slot's next token and its k drafts in one verify step (model/verify.py), which
    gives each position the logits a plain decode step gives it there. It reads the drafts where the head left them,
    on the device: the host first waits for the step when it takes the tokens.
@@ -131,9 +131,10 @@ class Drafter:
             drafting.steps_without = 0 if wanted[slot.index] else drafting.steps_without + 1
         seeing = [s for s in decoding if self._slots[s.index].streams is not None]
         most = max(wanted.values(), default=0)
-        if not most:
-            # No slot drafts, and the head waits: each slot's unseen positions grow by this step's and go through
-            # it when the slot drafts again. Copied: they may be a verify step's outputs, which this one rewrites.
+        rows = self.runner.head_rows
+        if not most and all(self._slots[s.index].streams.shape[0] < rows for s in seeing):
+            # No slot drafts, and the head waits until a slot drafts or has a pass's worth of unseen positions:
+            # each slot's grow by this step's. Copied: they may be a verify step's outputs, which this one rewrites.
             for slot in seeing:
                 drafting = self._slots[slot.index]
                 if drafting.streams._base is not None:
@@ -142,9 +143,6 @@ class Drafter:
             return Drafts(wanted)
         # The head over every slot's unseen positions (rows position-major, as a verify step's), padded to the
         # runner's fixed most + 1 rows a slot; then drafts 2..k, the head on its own streams a position further.
-        rows = self.runner.head_rows
-        for slot in seeing:
-            self._catch_up(slot, rows)
         tokens = [[0] * count for _ in range(rows)]
         positions = [[s.state.length for s in self.pool.slots] for _ in range(rows)]
         active = [[False] * count for _ in range(rows)]
@@ -160,19 +158,6 @@ class Drafter:
         made = self.runner.draft(most, streams, tokens, positions, active, last,
                                  [s.state.length for s in self.pool.slots], going)
         return Drafts(wanted, made)
-
-    def _catch_up(self, slot: Slot, rows: int) -> None:
-        """Put a slot's unseen positions beyond the head's `rows` a step through it at once, as a prompt chunk's
-        are (after steps without drafts)."""
-        drafting = self._slots[slot.index]
-        extra = drafting.streams.shape[0] - rows
-        if extra <= 0:
-            return
-        ids = torch.tensor(drafting.tokens[:extra], device=self.device)
-        with torch.inference_mode():
-            self.model.draft_chunk(drafting.streams[:extra], ids, slot.state,
-                                   slot.state.length - drafting.streams.shape[0])
-        drafting.streams, drafting.tokens = drafting.streams[extra:], drafting.tokens[extra:]
 
     def verify(self, decoding: list[Slot], drafts: Drafts) -> tuple[torch.Tensor, torch.Tensor]:
         """The verify step over each decoding slot's next token and drafts -> (logits [S, N, V], streams

@@ -122,31 +122,41 @@ class SpeculativeRunner:
         for substeps in range(1, self.most + 2):
             seconds[substeps] = []
             for busy in busy_counts:
-                times = []
-                for _ in range(repeats + 1):         # the first replay of a shape is not timed
-                    self._wait()
-                    started = time.perf_counter()
-                    self._synthetic_step(substeps, busy)
-                    self._wait()
-                    times.append(time.perf_counter() - started)
-                seconds[substeps].append(statistics.median(times[1:]))
+                if substeps == 1:
+                    # Steps without drafts run the head's pass once every head_rows steps (Drafter.draft).
+                    alone = self._median(lambda: self._synthetic_step(1, busy, head=False), repeats)
+                    headed = self._median(lambda: self._synthetic_step(1, busy, head=True), repeats)
+                    seconds[1].append(alone + (headed - alone) / self.head_rows)
+                else:
+                    seconds[substeps].append(self._median(lambda: self._synthetic_step(substeps, busy), repeats))
         for row in self.states.rows:
             row.reset()
         return StepCosts(busy_counts, seconds)
+
+    def _median(self, step, repeats: int) -> float:
+        times = []
+        for _ in range(repeats + 1):         # the first replay of a shape is not timed
+            self._wait()
+            started = time.perf_counter()
+            step()
+            self._wait()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times[1:])
 
     def _wait(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _synthetic_step(self, substeps: int, busy: int) -> None:
-        """A step in which the first `busy` slots each draft substeps - 1 tokens and verify them all."""
+    def _synthetic_step(self, substeps: int, busy: int, head: bool = True) -> None:
+        """A step in which the first `busy` slots each draft substeps - 1 tokens and verify them all (with
+        `head` False, no drafts and no pass of the head)."""
         count, k = self.count, substeps - 1
         width = self._streams.shape[1]
         on = [i < busy for i in range(count)]
         rows = [[0] * count for _ in range(self.head_rows)]
         head_active = [on] + [[False] * count for _ in range(self.head_rows - 1)]
         drafts = None
-        if k:                                   # a step without drafts leaves the head for later (Drafter.draft)
+        if head:
             drafts = self.draft(k, {i: self._streams.new_zeros(1, width) for i in range(busy)}, rows, rows,
                                 head_active, list(range(count)), [1] * count, [on] * (k - 1))
         positions = [[j if on[i] else 0 for i in range(count)] for j in range(substeps)]
