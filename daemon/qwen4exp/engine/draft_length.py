@@ -44,53 +44,61 @@ class StepCosts:
 class Acceptance:
     """A slot's share of its tested drafts that were taken, over its recent steps: running averages of the drafts a
     step took and of those it tested (the taken ones and the first rejected), p = their ratio. A running average of
-    the drafts one by one would lean toward each step's last draft tested, its rejected one, and read p low."""
-    taken: float
+    the drafts one by one would lean toward each step's last draft tested, its rejected one, and read p low.
+    A step without drafts tests nothing, and moves the estimate back toward the prior: a slot that stopped drafting
+    tries again once its estimate has come back to where drafting pays, rather than never."""
+    prior: float
+    taken: float = 0.0
     tested: float = 1.0
+
+    def __post_init__(self):
+        self.taken = self.prior * self.tested
 
     @property
     def rate(self) -> float:
         return self.taken / self.tested
 
-    def add(self, drafted: int, accepted: int, weight: float) -> None:
-        """A step that drafted `drafted` and took the first `accepted` of them, weighing `weight` of the averages."""
+    def add(self, drafted: int, accepted: int, weight: float, recovery: float) -> None:
+        """A step that drafted `drafted` and took the first `accepted` of them, weighing `weight` of the averages;
+        one without drafts moves them `recovery` of the way back to the prior."""
         if drafted:
             self.taken += weight * (accepted - self.taken)
             self.tested += weight * (accepted + (accepted < drafted) - self.tested)
+        else:
+            self.taken += recovery * (self.prior - self.taken)
+            self.tested += recovery * (1.0 - self.tested)
 
 
 @dataclass
 class DraftLength:
     """How many tokens the slots draft. Not adaptive: always `most` (as room allows). Adaptive with `costs`: the
     drafts that maximise the step's expected tokens per second; without: as many as a slot's estimate p gives a
-    chance of at least `useful` of all being taken (p ** k >= useful). Either way a slot at 0 drafts the most every
-    `probe_every` steps, so that its estimate can recover."""
+    chance of at least `useful` of all being taken (p ** k >= useful)."""
     most: int
     adaptive: bool = True
     useful: float = 0.3
-    # A new request's estimate: high, so that it drafts and measures from its first steps. Below a step's break
-    # even it would draft only its probes and learn slowly, however well its drafts would be taken.
+    # A new request's estimate: high, so that it drafts and measures from its first steps (below a step's break
+    # even it would wait for its estimate to recover before it measured anything).
     initial: float = 0.8
-    weight: float = 0.1                # of one step in a slot's Acceptance
-    probe_every: int = 16
+    weight: float = 0.1                # of one step with drafts in a slot's Acceptance
+    recovery: float = 0.02             # of the way back to `initial`, a step without
     costs: StepCosts | None = None
 
-    def choose(self, acceptance: float, steps_without: int) -> int:
+    def choose(self, acceptance: float) -> int:
         """One slot's drafts by the acceptance rule (no costs known)."""
         if not self.adaptive:
             return self.most
         k = 0
         while k < self.most and acceptance ** (k + 1) >= self.useful:
             k += 1
-        return self._probe(k, steps_without)
+        return k
 
-    def choose_step(self, slots: dict[int, tuple[float, int, int]]) -> dict[int, int]:
-        """Every decoding slot's drafts for one step: slot index -> (acceptance, steps without drafts, the most it
-        has room for) -> drafts."""
+    def choose_step(self, slots: dict[int, tuple[float, int]]) -> dict[int, int]:
+        """Every decoding slot's drafts for one step: slot index -> (acceptance, the most it has room for) ->
+        drafts."""
         if not self.adaptive or self.costs is None:
-            return {i: min(room, self.choose(p, without)) for i, (p, without, room) in slots.items()}
-        chosen = self._cheapest_per_token({i: (p, room) for i, (p, _, room) in slots.items()})
-        return {i: min(room, self._probe(chosen[i], without)) for i, (_, without, room) in slots.items()}
+            return {i: min(room, self.choose(p)) for i, (p, room) in slots.items()}
+        return self._cheapest_per_token(slots)
 
     def _cheapest_per_token(self, slots: dict[int, tuple[float, int]]) -> dict[int, int]:
         """The drafts with the most expected tokens per second of step. A slot's d-th draft is expected to add
@@ -113,10 +121,10 @@ class DraftLength:
             drafts[i] += 1
         return drafts
 
-    def _probe(self, k: int, steps_without: int) -> int:
-        # A probe drafts the most: each of its drafts up to the first rejected one is a measurement.
-        return self.most if k == 0 and steps_without >= self.probe_every else k
-
     def fresh(self) -> Acceptance:
         """A new request's estimate, before any of its drafts were tested."""
         return Acceptance(self.initial)
+
+    def learn(self, acceptance: Acceptance, drafted: int, accepted: int) -> None:
+        """A slot's step: `drafted` drafts, the first `accepted` of them taken."""
+        acceptance.add(drafted, accepted, self.weight, self.recovery)

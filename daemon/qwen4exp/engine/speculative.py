@@ -37,7 +37,6 @@ log = logging.getLogger("qwen4exp.engine")
 @dataclass
 class _SlotDrafting:
     acceptance: Acceptance
-    steps_without: int = 0
     # The main streams [m, hc*H] of the slot's positions length-m..length-1 the head has not seen, and the
     # tokens after all but the last (the last one's is the slot's next token).
     streams: torch.Tensor | None = None
@@ -123,12 +122,8 @@ class Drafter:
         """Each decoding slot's drafts, queued on the device (possibly none)."""
         count = len(self.pool.slots)
         wanted = dict.fromkeys((s.index for s in decoding), 0)
-        wanted.update(self.length.choose_step({
-            s.index: (self._slots[s.index].acceptance.rate, self._slots[s.index].steps_without, self._room(s))
-            for s in decoding if self._slots[s.index].streams is not None}))
-        for slot in decoding:
-            drafting = self._slots[slot.index]
-            drafting.steps_without = 0 if wanted[slot.index] else drafting.steps_without + 1
+        wanted.update(self.length.choose_step({s.index: (self._slots[s.index].acceptance.rate, self._room(s))
+                                               for s in decoding if self._slots[s.index].streams is not None}))
         seeing = [s for s in decoding if self._slots[s.index].streams is not None]
         most = max(wanted.values(), default=0)
         rows = self.runner.head_rows
@@ -200,7 +195,7 @@ class Drafter:
             else:                                   # it did not run (`draft`): the unseen positions grow
                 drafting.streams = torch.cat((drafting.streams, kept_streams))
                 drafting.tokens += kept_tokens
-            drafting.acceptance.add(tried, count - 1, self.length.weight)
+            self.length.learn(drafting.acceptance, tried, count - 1)
 
     def count(self, drafted: int, accepted: int) -> None:
         """A slot's share of a step, finished or not (/metrics)."""
