@@ -2,11 +2,11 @@
 
 Drafts only cost time: the output is plain decoding's whatever is drafted. Each slot keeps an estimate p of how
 often its drafts are taken (Acceptance), so drafting k tokens is expected to give it 1 + p + ... + p^k tokens in the
-step. What the drafts cost is a property of the device and the model: a verify step
-runs the longest slot's positions for every slot (one graph per length), and each position a slot verifies adds its
-own rows' expert reads. Where the engine measured its steps (StepCosts: on a GPU, where the steps are graphs with
-fixed costs), a step drafts what gives the most expected tokens per second of step, which is no drafts at all where
-the measured verify steps cost more than they give; elsewhere each slot drafts as far as p^k >= `useful`.
+step. What the drafts cost is a property of the device and the model: a verify step runs the longest slot's
+positions for every slot (one graph per length), and each position a slot verifies adds its own rows' expert reads.
+Where the engine measured its steps (StepCosts: on a GPU, where the steps are graphs with fixed costs), a step
+drafts what gives the most expected tokens per second of step, which is no drafts at all where the measured verify
+steps cost more than they give; elsewhere each slot drafts as far as p^k >= `useful`.
 """
 
 from __future__ import annotations
