@@ -274,15 +274,17 @@ def test_drafting_by_measured_costs_keeps_the_answers_and_the_state(model, monke
     starts = sorted(rng.randint(0, 12) for _ in specs)
     plain = run_staggered(Engine(model, slots=4, context=CONTEXT, chunk=CHUNK), specs, starts)
     _oracle(monkeypatch, {tuple(s["prompt_ids"]): r.output_ids for s, r in zip(specs, plain)}, rng, wrong=0.2)
-    for table in ("measured", "free", "priced out"):
+    tables = {"free": _costs(lambda s, rows: 1.0), "priced out": _costs(lambda s, rows: float(rows)),
+              # a row a tenth of a step: slots that draft beside slots that do not (their room or estimate)
+              "between": _costs(lambda s, rows: 1.0 + 0.1 * (rows - rows // s))}
+    for table in ("measured", *tables):
         engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, mtp=3)
         before = [t.clone() for t in engine.pool.states.carried()]
         costs = engine.drafter.runner.measure(repeats=1)
         assert all(torch.equal(a, b) for a, b in zip(before, engine.pool.states.carried()))
         assert costs.busy == [1, 2, 4] and sorted(costs.seconds) == [1, 2, 3, 4]
         assert all(t > 0 for times in costs.seconds.values() for t in times)
-        engine.drafter.length.costs = {"measured": costs, "free": _costs(lambda s, rows: 1.0),
-                                       "priced out": _costs(lambda s, rows: float(rows))}[table]
+        engine.drafter.length.costs = tables.get(table, costs)
         drafted = run_staggered(engine, specs, starts)
         assert [r.output_ids for r in drafted] == [r.output_ids for r in plain], table
         counters = engine.drafter.counters
