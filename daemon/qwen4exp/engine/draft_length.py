@@ -12,7 +12,7 @@ steps cost more than they give; elsewhere each slot drafts as far as p^k >= `use
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -48,11 +48,11 @@ class Acceptance:
     A step without drafts tests nothing, and moves the estimate back toward the prior: a slot that stopped drafting
     tries again once its estimate has come back to where drafting pays, rather than never."""
     prior: float
-    taken: float = 0.0
-    tested: float = 1.0
+    taken: float = field(init=False)
+    tested: float = field(init=False, default=1.0)
 
     def __post_init__(self):
-        self.taken = self.prior * self.tested
+        self.taken = self.prior
 
     @property
     def rate(self) -> float:

@@ -121,10 +121,10 @@ class Drafter:
     def draft(self, decoding: list[Slot]) -> Drafts:
         """Each decoding slot's drafts, queued on the device (possibly none)."""
         count = len(self.pool.slots)
+        seeing = [s for s in decoding if self._slots[s.index].streams is not None]
         wanted = dict.fromkeys((s.index for s in decoding), 0)
         wanted.update(self.length.choose_step({s.index: (self._slots[s.index].acceptance.rate, self._room(s))
-                                               for s in decoding if self._slots[s.index].streams is not None}))
-        seeing = [s for s in decoding if self._slots[s.index].streams is not None]
+                                               for s in seeing}))
         most = max(wanted.values(), default=0)
         rows = self.runner.head_rows
         if not most and all(self._slots[s.index].streams.shape[0] < rows for s in seeing):
