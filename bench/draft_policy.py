@@ -21,11 +21,6 @@ import random
 from qwen4exp.engine.draft_length import DraftLength, StepCosts
 
 
-def costs_from(table: dict[str, dict[str, float]]) -> StepCosts:
-    busy = sorted(int(b) for b in next(iter(table.values())))
-    return StepCosts(busy, {int(s): [table[s][str(b)] / 1e3 for b in busy] for s in table})
-
-
 def tokens_per_second(costs: StepCosts, slots: int, accuracy: float, steps: int, adaptive: bool) -> float:
     length, luck = DraftLength(most=3, adaptive=adaptive, costs=costs), random.Random(0)
     estimates = [length.fresh() for _ in range(slots)]
@@ -53,7 +48,7 @@ def main() -> None:
         run = next((r for r in entry.values() if r and r.get("step_costs_ms")), None)
         if run is None:
             continue
-        costs, plain = costs_from(run["step_costs_ms"]), int(slots) / (run["plain_ms_per_step"] / 1e3)
+        costs, plain = StepCosts.from_table(run["step_costs_ms"]), int(slots) / (run["plain_ms_per_step"] / 1e3)
         for accuracy in (float(a) for a in args.accuracies.split(",")):
             fixed = tokens_per_second(costs, int(slots), accuracy, args.steps, adaptive=False)
             chosen = tokens_per_second(costs, int(slots), accuracy, args.steps, adaptive=True)

@@ -18,6 +18,7 @@ import torch
 from qwen4exp.checkpoint.presets import preset_config
 from qwen4exp.checkpoint.random_weights import fill_random, random_model
 from qwen4exp.checkpoint.writer import write_random_checkpoint
+from qwen4exp.engine.draft_length import StepCosts
 from qwen4exp.engine.engine import Engine
 from qwen4exp.engine.loading import build_model, load_model
 from qwen4exp.engine.model.config import ModelConfig
@@ -201,7 +202,7 @@ def test_the_draft_choice_on_a_measured_step_table_loses_little_and_keeps_what_p
                          .read_text())
     for slots, entry in results["slots"].items():
         run = entry["oracle_together_accuracy_0.72_adaptive"]
-        costs, plain = policy.costs_from(run["step_costs_ms"]), int(slots) / (run["plain_ms_per_step"] / 1e3)
+        costs, plain = StepCosts.from_table(run["step_costs_ms"]), int(slots) / (run["plain_ms_per_step"] / 1e3)
         rare = {adaptive: policy.tokens_per_second(costs, int(slots), 0.1, 1500, adaptive) / plain
                 for adaptive in (False, True)}
         assert rare[True] > 0.93 and rare[False] < 0.6, (slots, rare)

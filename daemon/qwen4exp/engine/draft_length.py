@@ -39,6 +39,12 @@ class StepCosts:
         return {str(s): {str(b): round(1e3 * t, 3) for b, t in zip(self.busy, times)}
                 for s, times in self.seconds.items()}
 
+    @classmethod
+    def from_table(cls, table: dict[str, dict[str, float]]) -> StepCosts:
+        """The costs that `table()` wrote (a benchmark's results read back)."""
+        busy = sorted(int(b) for b in next(iter(table.values())))
+        return cls(busy, {int(s): [table[s][str(b)] / 1e3 for b in busy] for s in table})
+
 
 @dataclass
 class Acceptance:
