@@ -195,6 +195,31 @@ def test_transformers_reads_our_fp8_checkpoint_as_we_do(tmp_path):
     assert generate(ours, PROMPT, 8).output_ids == greedy[0, len(PROMPT):].tolist()
 
 
+def test_transformers_fp8_path_swaps_in_fp8_modules_for_exactly_the_float8_weights(tmp_path, monkeypatch):
+    """On a GPU transformers serves the checkpoint through its own FP8 modules (bench/fp8_peer.py), swapped in for
+    every projection that modules_to_not_convert does not name: each must be one the checkpoint stores in float8
+    with its scales, or the module runs on a scale it never loaded. The swap and the load are checked here on the
+    CPU, where the quantizer's device check would have it dequantize instead."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment", lambda self, *args, **kwargs: None)
+    fp8_dir = write_random_checkpoint(tmp_path / "fp8", preset="tiny", seed=4, dtype=torch.bfloat16, progress=False,
+                                      fp8_block=(128, 128))
+    quant = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
+    config = transformers.FineGrainedFP8Config(modules_to_not_convert=quant["modules_to_not_convert"])
+    model, loading = transformers.AutoModelForCausalLM.from_pretrained(
+        fp8_dir, dtype=torch.bfloat16, quantization_config=config, output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
+    swapped = {name for name, module in model.named_modules() if type(module).__name__ in ("FP8Linear", "FP8Experts")}
+    with safe_open(next(fp8_dir.glob("*.safetensors")), "pt") as f:
+        scaled = {key.removesuffix(".weight_scale_inv").replace("model.language_model.", "model.")
+                  for key in f.keys() if key.endswith(".weight_scale_inv") and not key.startswith("mtp.")}
+    scaled = {name.rsplit(".", 2)[0] if ".experts." in name else name for name in scaled}    # experts.E.gate_proj
+    assert swapped == scaled
+
+
 def test_a_float8_vision_weight_is_skipped_with_its_scales(fp8_dir):
     """The vision tower is not served: a float8 weight of it and its block scales are passed over together, not
     named as scales of nothing."""

@@ -73,12 +73,10 @@ def _draw(spec: layout.TensorSpec, piece: layout.Piece, seed: int, dtype: torch.
 # The weights Qwen's FP8 checkpoint stores in float8 (fp8.py), by their runtime names' ends: the routed experts (the
 # MTP layer's too), the shared expert and the attention projections; the PLE table with one global scale, the module
 # that modules_to_convert names (transformers keeps it an FP8 embedding that scales the rows it gathers). The rest
-# stays in the checkpoint's dtype, as its modules_to_not_convert lists.
+# stays in the checkpoint's dtype, as its modules_to_not_convert lists (`_not_converted`).
 FP8_WEIGHTS = (".experts.gate_up_proj", ".experts.down_proj", ".shared_expert.gate_proj.weight",
                ".shared_expert.up_proj.weight", ".shared_expert.down_proj.weight", ".self_attn.q_proj.weight",
                ".self_attn.k_proj.weight", ".self_attn.v_proj.weight", ".self_attn.o_proj.weight")
-FP8_NOT_CONVERTED = ["linear_attn", "hyper_connection", "indexer", "mlp.gate", "shared_expert_gate", "ple.key_proj",
-                     "ple.value_proj", "mtp.fc_", "lm_head", "embed_tokens"]
 FP8_CONVERTED_TABLES = ["ple.ple_embedding.ngram_embedding"]
 # The PLE table's one scale: the writer's embeddings are N(0, 1), so |x| <= 8 covers every draw.
 PLE_FP8_SCALE = 8.0 / fp8.FLOAT8_MAX
@@ -93,6 +91,15 @@ def _fp8(spec: layout.TensorSpec) -> str | None:
 
 def _plan(text: dict[str, Any]) -> list[tuple[layout.TensorSpec, layout.Piece]]:
     return [(spec, piece) for spec in layout.runtime_specs(text) for piece in layout.disk_pieces(spec, text)]
+
+
+def _not_converted(plan: list[tuple[layout.TensorSpec, layout.Piece]]) -> list[str]:
+    """modules_to_not_convert: the on-disk name of every matrix an FP8 checkpoint keeps in its dtype, in full.
+    transformers matches each entry against a module's name from its start or as its end, so a short one such as
+    "linear_attn" would match no projection: its FP8 path would take them for float8 weights without scales."""
+    return sorted({piece.disk.removesuffix(".weight") for spec, piece in plan
+                   if spec.init != "const" and _fp8(spec) is None and len(piece.shape) == 2
+                   and piece.disk.endswith(".weight")})
 
 
 def _entries(spec: layout.TensorSpec, piece: layout.Piece, dtype: torch.dtype, fp8_block: tuple[int, int] | None,
@@ -171,10 +178,11 @@ def write_random_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
+    plan = _plan(text)
     if fp8_block is not None:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": list(fp8_block),
-                                         "modules_to_not_convert": FP8_NOT_CONVERTED,
+                                         "modules_to_not_convert": _not_converted(plan),
                                          "modules_to_convert": FP8_CONVERTED_TABLES}
 
     def entries(spec, piece):
@@ -183,7 +191,7 @@ def write_random_checkpoint(
     def size(spec, piece) -> int:
         return sum(math.prod(shape) * kind.itemsize for kind, shape in entries(spec, piece).values())
 
-    shards = _pack(_plan(text), size, shard_bytes)
+    shards = _pack(plan, size, shard_bytes)
     total = sum(size for shard in shards for *_, size in shard)
     weight_map: dict[str, str] = {}
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {preset}", disable=not progress)
