@@ -278,14 +278,17 @@ def test_drafting_by_measured_costs_keeps_the_answers_and_the_state(model, monke
               # a row a tenth of a step: slots that draft beside slots that do not (their room or estimate)
               "between": _costs(lambda s, rows: 1.0 + 0.1 * (rows - rows // s))}
     for table in ("measured", *tables):
-        engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, mtp=3)
         if table == "measured":
+            engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, mtp=3)
             before = [t.clone() for t in engine.pool.states.carried()]
             tables[table] = engine.drafter.runner.measure(repeats=1)
             assert all(torch.equal(a, b) for a, b in zip(before, engine.pool.states.carried()))
             assert tables[table].busy == [1, 2, 4] and sorted(tables[table].seconds) == [1, 2, 3, 4]
             assert all(t > 0 for times in tables[table].seconds.values() for t in times)
-        engine.drafter.length.costs = tables[table]
+            engine.drafter.length.costs = tables[table]
+        else:       # given, as an unparked worker's engine gets the costs its engine before measured
+            engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, mtp=3, step_costs=tables[table])
+        assert engine.step_costs is tables[table]
         drafted = run_staggered(engine, specs, starts)
         assert [r.output_ids for r in drafted] == [r.output_ids for r in plain], table
         counters = engine.drafter.counters
@@ -293,6 +296,26 @@ def test_drafting_by_measured_costs_keeps_the_answers_and_the_state(model, monke
             assert counters.drafted == 0, counters
         elif table == "free":
             assert counters.accepted > 0, counters
+
+
+def test_an_unparked_worker_drafts_by_the_step_costs_measured_before_its_park(monkeypatch):
+    """A GPU engine measures its speculative steps when it starts (seconds of the full model's steps); the worker
+    keeps the table over a park, and the engine it builds at the unpark prices its steps by it, unmeasured."""
+    from qwen4exp.engine.speculative_runner import SpeculativeRunner
+    from qwen4exp.server.messages import ParkLevel
+    from qwen4exp.server.worker import Worker
+
+    config = EngineConfig(model=str(EMBEDDED_MODEL), device="cpu", dtype="float32", slots=2, chunk=64, max_ctx=512,
+                          prefix_cache=False, mtp=2)
+    worker = Worker(config, conn=None)
+    worker.load()
+    measured = _costs(lambda s, rows: 1.0 + 0.1 * rows)       # what a GPU's runner would have measured
+    worker.engine.drafter.length.costs = measured
+    worker.park(ParkLevel.RELEASE)
+    monkeypatch.setattr(SpeculativeRunner, "measure", lambda *a, **k: pytest.fail("the kept costs are measured again"))
+    worker.load()
+    assert worker.engine.step_costs is measured and worker.engine.drafter.length.costs is measured
+    worker.park(ParkLevel.RELEASE)
 
 
 def test_steps_without_drafts_run_the_head_once_a_pass_of_positions(model):

@@ -21,6 +21,7 @@ import numpy
 import torch
 
 from .decode_runner import DecodeRunner, LaunchedStep
+from .draft_length import StepCosts
 from .engine_config import MAX_SLOTS, EngineConfig, resolve_mtp
 from .memory import is_out_of_memory, release_cached_blocks, run_with_oom_retry
 from .model.causal_lm import Qwen4ExpForCausalLM
@@ -87,7 +88,7 @@ class Engine:
                  restore_spacing: int | None = None, queue_limit: int = 64, tokenizer=None,
                  prefix_cache: PrefixCache | None = None, cuda_graphs: bool = True, compile_decode: bool = False,
                  decode_beside_prompts: bool = False, batch_prompts: bool = False, mtp: int | str = 0,
-                 mtp_adaptive: bool = True):
+                 mtp_adaptive: bool = True, step_costs: StepCosts | None = None):
         cfg = model.config
         spacing = restore_spacing or (prefix_cache.spacing if prefix_cache is not None else chunk)
         if not 1 <= slots <= MAX_SLOTS:
@@ -117,8 +118,8 @@ class Engine:
         drafts = resolve_mtp(mtp, model)
         self.decoder = DecodeRunner(model, self.pool.states, self.device, graph=cuda_graphs and not drafts,
                                     compile=compile_decode)
-        self.drafter = Drafter(model, self.pool, self.decoder.rope, drafts, mtp_adaptive,
-                               graphs=cuda_graphs) if drafts else None
+        self.drafter = Drafter(model, self.pool, self.decoder.rope, drafts, mtp_adaptive, graphs=cuda_graphs,
+                               costs=step_costs) if drafts else None
         # Decode steps between a short prompt chunk's layers (`_decode_beside`): for a GPU, where such a chunk keeps
         # the host busy and the device mostly idle; on a CPU they would only take turns with the chunk's work.
         # An eager step on a GPU allocates its temporaries; beside a chunk's it could run the device out of memory.
@@ -141,10 +142,12 @@ class Engine:
 
     @classmethod
     def from_config(cls, model: Qwen4ExpForCausalLM, config: EngineConfig, *, context: int | None = None,
-                    tokenizer=None, prefix_cache: PrefixCache | None = None) -> "Engine":
+                    tokenizer=None, prefix_cache: PrefixCache | None = None,
+                    step_costs: StepCosts | None = None) -> "Engine":
         """The engine `config` describes, over `model` (loaded by the caller, e.g. with `config.load_model`).
         `context`: the resolved context (`config.resolve_context`), needed when max_ctx is "auto"; a number
-        in the config is taken as it is. `prefix_cache`: the caller's, since it outlives the engine."""
+        in the config is taken as it is. `prefix_cache`: the caller's, since it outlives the engine.
+        `step_costs`: the speculative step's costs an engine of this config measured before (`step_costs`)."""
         if context is None:
             if config.max_ctx == "auto":
                 raise ValueError("max_ctx is 'auto': resolve the context first (EngineConfig.resolve_context) and "
@@ -154,7 +157,13 @@ class Engine:
                    restore_spacing=config.restore_spacing, queue_limit=config.queue_limit, tokenizer=tokenizer,
                    prefix_cache=prefix_cache, cuda_graphs=config.cuda_graphs, compile_decode=config.compile_decode,
                    decode_beside_prompts=config.decode_beside_prompts, batch_prompts=config.batch_prompts,
-                   mtp=config.mtp)
+                   mtp=config.mtp, step_costs=step_costs)
+
+    @property
+    def step_costs(self) -> StepCosts | None:
+        """What the drafter measured its speculative steps to cost (None without drafting or off graphs): for an
+        engine built again over the same model and device (an unpark), which then need not measure them."""
+        return None if self.drafter is None else self.drafter.length.costs
 
     def warm_up(self) -> float:
         """Compile every kernel a prompt can launch, on the first slot, before serving (warm_up.py); the

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .draft_length import Acceptance, DraftLength
+from .draft_length import Acceptance, DraftLength, StepCosts
 from .model.causal_lm import Qwen4ExpForCausalLM
 from .slots import Slot, SlotPool
 from .speculative_runner import SpeculativeRunner
@@ -68,7 +68,7 @@ class DraftCounters:
 
 class Drafter:
     def __init__(self, model: Qwen4ExpForCausalLM, pool: SlotPool, rope: tuple[torch.Tensor, torch.Tensor],
-                 most: int, adaptive: bool = True, graphs: bool = False):
+                 most: int, adaptive: bool = True, graphs: bool = False, costs: StepCosts | None = None):
         if model.mtp is None:
             raise ValueError("mtp: this checkpoint has no MTP head (mtp_num_hidden_layers = 0; a GGUF converted by "
                              "llama.cpp drops it): set mtp = 0, or for a GGUF mtp_weights to a safetensors release of "
@@ -79,9 +79,12 @@ class Drafter:
         self.counters = DraftCounters(accepted_at=[0] * most)
         pool.states.allocate_history(most)
         self.runner = SpeculativeRunner(model, pool.states, rope, self.device, most, graphs)
-        # A graph's cost is fixed: measured once, it prices every step (DraftLength). Eager steps' costs vary with
-        # the host's load, so off graphs the slots draft by acceptance alone.
-        if adaptive and self.runner.graphed:
+        # A graph's cost is fixed: measured once, it prices every step (DraftLength); `costs`, where an engine of
+        # the same model and shape measured them on this device before (a worker's, before its park), are taken
+        # as they are. Eager steps' costs vary with the host's load, so off graphs the slots draft by acceptance.
+        if adaptive and costs is not None:
+            self.length.costs = costs
+        elif adaptive and self.runner.graphed:
             self.length.costs = self.runner.measure()
             log.info("speculative step costs, ms by positions verified a slot, then busy slots: %s",
                      self.length.costs.table())

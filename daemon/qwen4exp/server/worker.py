@@ -29,6 +29,7 @@ class Worker:
         self.plan = plan                 # the context fit's plan, when max_ctx is "auto"
         self.parked_model = None         # the model, its weights in pinned host memory, while parked to "offload"
         self.hot_counts = None           # split layers' routing counts so far (engine/hot_experts.py), kept over parks
+        self.step_costs = None           # what the speculative steps cost (engine/draft_length.py), kept over parks
 
     def send(self, message) -> None:
         with self.send_lock:
@@ -63,7 +64,7 @@ class Worker:
         if self.cache is None:
             self.cache = config.new_prefix_cache(model, device)
         self.engine = Engine.from_config(model, config, context=context, tokenizer=Tokenizer.from_path(config.model),
-                                         prefix_cache=self.cache)
+                                         prefix_cache=self.cache, step_costs=self.step_costs)
         # On a GPU, the kernels a prompt can launch are compiled now, not on the first requests' path.
         warm_up_seconds = self.engine.warm_up() if device.type == "cuda" else 0.0
         if config.hot_experts:
@@ -99,6 +100,7 @@ class Worker:
         if self.engine is not None:
             self.engine.stop()
             self.engine.abort_all()
+            self.step_costs = self.engine.step_costs
             model, self.engine = self.engine.model, None
         if model is not None:
             self.hot_counts = hot_experts.add_counts(self.hot_counts, hot_experts.read_counts(model, stop=True))
