@@ -161,8 +161,9 @@ class Engine:
 
     @property
     def step_costs(self) -> StepCosts | None:
-        """What the drafter measured its speculative steps to cost (None without drafting or off graphs): for an
-        engine built again over the same model and device (an unpark), which then need not measure them."""
+        """What the drafter prices its speculative steps by (measured from its graphs, or given; None without
+        drafting or off graphs): for an engine built again over the same model and device (an unpark), which then
+        need not measure them."""
         return None if self.drafter is None else self.drafter.length.costs
 
     def warm_up(self) -> float:
