@@ -236,7 +236,7 @@ def _oracle_run(model, slots: int, tokens: int, device: torch.device, context: i
             "plain_ms_per_step": round(1e3 * plain_s / max(plain_steps, 1), 3),
             "accuracy": accuracy, "adaptive": adaptive,
             "tokens_per_slot_step": round(generated / max(generated - accepted, 1), 3),
-            "step_costs_ms": engine.drafter.length.costs.table() if engine.drafter.length.costs else None}
+            "step_costs_ms": engine.step_costs.table() if engine.step_costs else None}
 
 
 def main() -> None:

@@ -265,7 +265,7 @@ def test_mtp_drafting_by_measured_step_costs_on_the_gpu(models, monkeypatch):
     _oracle(monkeypatch, {tuple(s["prompt_ids"]): r.output_ids for s, r in zip(specs, plain)}, random.Random(3),
             wrong=0.3)
     engine = Engine(model, slots=4, context=CONTEXT, chunk=CHUNK, mtp=3)
-    costs = engine.drafter.length.costs
+    costs = engine.step_costs
     assert costs is not None and costs.busy == [1, 2, 4] and sorted(costs.seconds) == [1, 2, 3, 4]
     assert all(t > 0 for times in costs.seconds.values() for t in times)
     assert all(not t.any() for t in engine.pool.states.carried() if t.dtype != torch.long)
