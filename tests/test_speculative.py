@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -263,6 +264,61 @@ def test_a_step_drafts_what_its_measured_costs_say_pays():
     # Not adaptive, or no costs: the acceptance rule, slot by slot, within each slot's room.
     assert DraftLength(most=3).choose_step({0: (0.9, 10), 1: (0.9, 1), 2: (0.2, 5)}) == {0: 3, 1: 1, 2: 0}
     assert DraftLength(most=3, adaptive=False, costs=costs).choose_step({0: (0.0, 10)}) == {0: 3}
+
+
+def test_steps_are_priced_by_what_they_took_on_the_host_beyond_the_table():
+    """The table prices the graphed steps; what the engine's steps took beyond it (on the host's clock) is added by
+    step length, from nothing to twice the table's price, and prices the lengths not yet run from the nearest."""
+    costs = _costs(lambda s, rows: 1.0)
+    assert costs.step(3, 3) == 1.0
+    costs.observe(3, 3, 1.5)
+    assert costs.extra == {3: pytest.approx(0.05)} and costs.step(3, 3) == pytest.approx(1.05)
+    assert costs.step(4, 4) == costs.step(2, 2) == pytest.approx(1.05)     # from 3, the nearest length run
+    assert costs.step(1, 1) == 1.0                                          # but not a step without drafts
+    costs.observe(1, 1, 0.2)                                                # faster than the table: nothing
+    assert costs.extra[1] == 0.0 and costs.step(2, 2) == pytest.approx(1.05) and costs.measured(2, 2) == 1.0
+    alone = _costs(lambda s, rows: 1.0)
+    alone.observe(1, 1, 2.0)                    # with no drafting step run yet, those cost what plain steps do
+    assert alone.step(3, 3) == pytest.approx(1.1)
+    for _ in range(200):
+        costs.observe(4, 4, 60.0)                                           # a stall counts as twice the price
+    assert costs.step(4, 4) == pytest.approx(3.0)
+    length = DraftLength(most=3, costs=_costs(lambda s, rows: 1.0))
+    assert length.choose_step({0: (0.5, 10)}) == {0: 3}
+    length.costs.weight = 1.0
+    for s in (1, 2, 3, 4):
+        length.costs.observe(s, s, 1.0 + (s - 1))                          # a second of host work a draft
+    assert length.choose_step({0: (0.5, 10)}) == {0: 0}
+
+
+def test_an_engine_stops_drafting_when_its_steps_show_drafts_cost_more_than_they_give(model, monkeypatch):
+    """A table that says drafts cost nothing, but the host's work around a drafting step (here a sleep in its verify)
+    takes more than the drafts could give: after its first drafting step the engine drafts no more, where on the
+    table alone it drafts every step; the answer is plain decoding's either way."""
+    prompt = [random.Random(9).randrange(1000) for _ in range(20)]
+    plain_engine = Engine(model, slots=1, context=CONTEXT, chunk=CHUNK)
+    plain = plain_engine.submit(Request(prompt_ids=prompt, max_tokens=12))
+    plain_engine.run_until_idle()
+    real = Drafter.verify
+
+    def slow_verify(self, decoding, drafts):
+        if any(drafts.counts.values()):
+            time.sleep(0.2)
+        return real(self, decoding, drafts)
+
+    drafted = {}
+    for host in ("quick", "slow"):
+        if host == "slow":
+            monkeypatch.setattr(Drafter, "verify", slow_verify)
+        # 50 ms a step whatever it verifies; each step's excess counts in full (weight 1)
+        costs = StepCosts([1], {s: [0.05] for s in range(1, 5)}, weight=1.0)
+        engine = Engine(model, slots=1, context=CONTEXT, chunk=CHUNK, mtp=3, step_costs=costs)
+        request = engine.submit(Request(prompt_ids=prompt, max_tokens=12))
+        engine.run_until_idle()
+        assert request.output_ids == plain.output_ids, host
+        drafted[host] = (engine.drafter.counters.drafted, engine.counters.decode_steps)
+    assert drafted["quick"][0] >= 20, drafted      # 3 a step, but as the request's last tokens leave room
+    assert drafted["slow"][0] == 3, drafted
 
 
 def test_drafting_by_measured_costs_keeps_the_answers_and_the_state(model, monkeypatch):

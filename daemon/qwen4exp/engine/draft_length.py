@@ -6,7 +6,9 @@ step. What the drafts cost is a property of the device and the model: a verify s
 positions for every slot (one graph per length), and each position a slot verifies adds its own rows' expert reads.
 Where the engine measured its steps (StepCosts: on a GPU, where the steps are graphs with fixed costs), a step
 drafts what gives the most expected tokens per second of step, which is no drafts at all where the measured verify
-steps cost more than they give; elsewhere each slot drafts as far as p^k >= `useful`.
+steps cost more than they give; elsewhere each slot drafts as far as p^k >= `useful`. The measure prices the graphs
+and their inputs; what the engine's host does around a step (sampling each verified position, the drafts'
+bookkeeping) it learns from the steps' own clock as they run (StepCosts.observe).
 """
 
 from __future__ import annotations
@@ -20,12 +22,36 @@ class StepCosts:
     """Seconds of a speculative step (drafting, verifying and committing, as the engine runs them) by the positions
     it verifies a slot (1 = no drafts) and its busy slots: `seconds[substeps][i]` with `busy[i]` slots verifying
     `substeps` positions each, measured (SpeculativeRunner.measure). A step whose slots verify different numbers
-    of positions is priced by its verified rows, between the measured slot counts."""
+    of positions is priced by its verified rows, between the measured slot counts. `extra[substeps]`: the seconds
+    the engine's steps of that length took beyond the table's price, a running average (`observe`). A drafting
+    length not yet run takes the nearest shorter drafting one's, else the nearest longer one's, else that of steps
+    without drafts (which do less around them); those count nothing until one has run."""
     busy: list[int]
     seconds: dict[int, list[float]]
+    extra: dict[int, float] = field(default_factory=dict)
+    weight: float = 0.1         # of one step in `extra`
 
     def step(self, substeps: int, rows: int) -> float:
         """The seconds of a step verifying `substeps` positions for its longest slot and `rows` rows in all."""
+        return self.measured(substeps, rows) + self._extra(substeps)
+
+    def observe(self, substeps: int, rows: int, seconds: float) -> None:
+        """A step of the engine's took `seconds` by the host's clock, from its drafts to its commit. What it took
+        beyond the table counts from 0 (the table prices part of the step's work) up to twice the table's price,
+        so that one step stalled by something else (a collection, another thread) moves the estimate little."""
+        price = self.measured(substeps, rows)
+        over = min(max(seconds - price, 0.0), 2 * price)
+        self.extra[substeps] = self.extra.get(substeps, 0.0) + self.weight * (over - self.extra.get(substeps, 0.0))
+
+    def _extra(self, substeps: int) -> float:
+        if substeps in self.extra or substeps == 1:
+            return self.extra.get(substeps, 0.0)
+        drafting = [s for s in self.extra if s > 1]
+        shorter, longer = [s for s in drafting if s < substeps], [s for s in drafting if s > substeps]
+        return self.extra[max(shorter) if shorter else min(longer)] if drafting else self.extra.get(1, 0.0)
+
+    def measured(self, substeps: int, rows: int) -> float:
+        """The table's price of a step, without what the engine's steps showed beyond it."""
         at = self.seconds[substeps]
         slots = max(rows / substeps, self.busy[0])
         i = min(max(bisect_left(self.busy, slots), 1), len(self.busy) - 1) if len(self.busy) > 1 else 0

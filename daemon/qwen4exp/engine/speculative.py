@@ -16,12 +16,14 @@ An engine step with drafting, for every decoding slot at once:
    kept (StateBatch.commit). So the output is plain decoding's, bit for bit, greedy or seeded.
 
 Drafts only cost time, so how many a slot gets is a matter of speed: with `adaptive`, from each slot's recent
-acceptance and, where the runner measured its steps (a GPU), what each step length costs (draft_length.py).
+acceptance and, where the runner measured its steps (a GPU), what each step length costs (draft_length.py),
+with what the steps took beyond that on the host's clock, from `draft` to the end of `commit`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +91,7 @@ class Drafter:
             log.info("speculative step costs, ms by positions verified a slot, then busy slots: %s",
                      self.length.costs.table())
         self._slots = [_SlotDrafting(self.length.fresh()) for _ in pool.slots]
+        self._step_began = 0.0
 
     @property
     def most(self) -> int:
@@ -123,6 +126,7 @@ class Drafter:
 
     def draft(self, decoding: list[Slot]) -> Drafts:
         """Each decoding slot's drafts, queued on the device (possibly none)."""
+        self._step_began = time.perf_counter()
         count = len(self.pool.slots)
         seeing = [s for s in decoding if self._slots[s.index].streams is not None]
         wanted = dict.fromkeys((s.index for s in decoding), 0)
@@ -199,6 +203,9 @@ class Drafter:
                 drafting.streams = torch.cat((drafting.streams, kept_streams))
                 drafting.tokens += kept_tokens
             self.length.learn(drafting.acceptance, tried, count - 1)
+        if self.length.costs is not None and drafts:
+            self.length.costs.observe(1 + max(map(len, drafts.values())), sum(1 + len(d) for d in drafts.values()),
+                                      time.perf_counter() - self._step_began)
 
     def count(self, drafted: int, accepted: int) -> None:
         """A slot's share of a step, finished or not (/metrics)."""
