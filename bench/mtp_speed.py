@@ -20,7 +20,8 @@ Measured, for each slot count:
    engine runs today, "oracle_together" with every decode product in fixed row tiles and the verify step's
    positions together (both engines). With --accuracies below 1 the oracle's drafts are each wrong with the
    rest's chance (`_accuracy_P`), and with --choices adaptive the drafting engine chooses its drafts itself
-   (`_adaptive`: from each slot's acceptance and, on a GPU, its step costs measured at start, `step_costs_ms`):
+   (`_adaptive`: from each slot's acceptance and, on a GPU, its step costs measured at start, `step_costs_ms`, and
+   what its steps took beyond them on the host's clock, `step_extra_ms`):
    measured tok/s at a given acceptance, where section 3 computes it;
 3. tok/s at a mean acceptance length of 2.6 tokens per step (vLLM's figure for 3 drafts on the FP8 model), from
    the measured times: 2.6 tokens a slot / the oracle run's whole time per step (drafting, verifying and the
@@ -236,7 +237,10 @@ def _oracle_run(model, slots: int, tokens: int, device: torch.device, context: i
             "plain_ms_per_step": round(1e3 * plain_s / max(plain_steps, 1), 3),
             "accuracy": accuracy, "adaptive": adaptive,
             "tokens_per_slot_step": round(generated / max(generated - accepted, 1), 3),
-            "step_costs_ms": engine.step_costs.table() if engine.step_costs else None}
+            "step_costs_ms": engine.step_costs.table() if engine.step_costs else None,
+            # what the engine's steps took beyond the table, by positions verified a slot (StepCosts.observe)
+            "step_extra_ms": {str(s): round(1e3 * t, 3) for s, t in sorted(engine.step_costs.extra.items())}
+            if engine.step_costs else None}
 
 
 def main() -> None:
