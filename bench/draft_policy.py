@@ -8,8 +8,9 @@ The table is one that `bench/mtp_speed.py --choices adaptive` recorded (`step_co
 the positions it verifies a slot and its busy slots, as SpeculativeRunner.measure timed them when the engine
 started), with the plain decode step it ran beside (`plain_ms_per_step`). Every slot stays busy for --steps steps;
 each draft is taken with the accuracy's probability until the first that is not (seeded). The policy is the
-engine's own DraftLength: its estimates, their recovery and its choice. What it leaves out: the host's work
-around a step, which the table does not hold, and requests ending and starting.
+engine's own DraftLength: its estimates, their recovery and its choice. Results that hold `step_extra_ms` (what the
+engine's steps took beyond the table on the host's clock, by step length) price that in as well; older ones leave
+out the host's work around a step. Requests ending and starting are left out.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def main() -> None:
         if run is None:
             continue
         costs, plain = StepCosts.from_table(run["step_costs_ms"]), int(slots) / (run["plain_ms_per_step"] / 1e3)
+        costs.extra = {int(s): ms / 1e3 for s, ms in (run.get("step_extra_ms") or {}).items()}
         for accuracy in (float(a) for a in args.accuracies.split(",")):
             fixed = tokens_per_second(costs, int(slots), accuracy, args.steps, adaptive=False)
             chosen = tokens_per_second(costs, int(slots), accuracy, args.steps, adaptive=True)
