@@ -1,11 +1,12 @@
 """How many kernels a decode step launches, and where, counted on the CPU machine without a GPU.
 
-    python bench/launch_census.py [--preset full] [--layers N] [--quant ud-q4_k_xl] [--rows 1 | --chunk 128] [--top 40]
+    python bench/launch_census.py [--preset full] [--layers N] [--quant ud-q4_k_xl] [--rows 1 | --chunk 128]
+        [--substeps 4] [--top 40]
 
 The model is built on the meta device for a CUDA target (kernel_launches' way: the Triton backend, no memory),
-one decode step of `--rows` rows runs, and every Triton launch and every torch operator that would launch a
-kernel on the GPU (not views, not allocations) is counted, each under the layer kind and the ops-backend
-method it ran in. A replayed CUDA graph runs exactly these kernels, so the census is the step's kernel count
+one decode step of `--rows` rows runs (or a verify step of `--substeps` positions a row), and every Triton launch
+and every torch operator that would launch a kernel on the GPU (not views, not allocations) is counted, each under
+the layer kind and the ops-backend method it ran in. A replayed CUDA graph runs exactly these kernels, so the census is the step's kernel count
 that bench/decode_trace.py measures on the GPU (up to torch operators whose CUDA form launches more than one
 kernel, or none), at a fraction of a lease: where the small kernels of a step come from, before fusing them.
 """
@@ -63,7 +64,7 @@ class Census(TorchDispatchMode):
 
 
 def census(config: ModelConfig, quantized: dict, rows: int, target: guard.Target, chunk: int = 0,
-           together: bool = False) -> dict:
+           substeps: int = 1) -> dict:
     device = torch.device("meta")
     with guard.compiling_for(target), ahead_of_time.recording(where_am_i_label) as launches:
         with device:
@@ -72,8 +73,9 @@ def census(config: ModelConfig, quantized: dict, rows: int, target: guard.Target
             regroup_q8_0(model)
             model = model.to(kernel_launches.DTYPE)
         model.ops = kernel_launches.OwnKernels()
-        model.ops.rows_independent = together
         states = StateBatch(config, rows, kernel_launches.CAPACITY, device, kernel_launches.DTYPE)
+        if substeps > 1:
+            states.allocate_history(substeps - 1)
         rope = model.rope_table(kernel_launches.CAPACITY, device)
         ids = torch.zeros(rows, dtype=torch.long, device=device)
         active = torch.ones(rows, dtype=torch.bool, device=device)
@@ -82,7 +84,8 @@ def census(config: ModelConfig, quantized: dict, rows: int, target: guard.Target
             if chunk:
                 model(torch.zeros(chunk, dtype=torch.long, device=device), states.rows[0])
             else:
-                model.decode_rows(ids, ids, active, states, rope)
+                model.verify_rows(ids.repeat(substeps), ids.repeat(substeps), active.repeat(substeps), states, rope,
+                                  substeps)
         step = launches[start:]
     triton = collections.Counter((launch.op.split("|")[0], launch.op.split("|")[1], launch.name) for launch in step)
     return {"triton": triton, "torch": counted.ops}
@@ -120,8 +123,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=0, help="count a prompt chunk of this many tokens instead "
                         "(at the prompt's start; eager, as the engine runs prompt chunks)")
-    parser.add_argument("--together", action="store_true", help="the Triton backend with rows_independent on "
-                        "(fixed row tiles: the form a verify step runs its positions together in)")
+    parser.add_argument("--substeps", type=int, default=1, help="count a verify step of this many positions a row "
+                        "(speculative decoding: 1 + the drafts) instead of a plain decode step")
     parser.add_argument("--target", default="sm_90", help="one of " + ", ".join(guard.CHECKED_TARGETS))
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--out", default=None, help="also write the counts as JSON")
@@ -129,7 +132,7 @@ def main() -> None:
     config = ModelConfig.from_dict(preset_config(args.preset, args.layers, dtype="bfloat16"), source=args.preset)
     quantized = {} if args.quant == "none" else kernel_launches.quantized_for(config, args.quant)
     result = report(census(config, quantized, args.rows, guard.CHECKED_TARGETS[args.target], args.chunk,
-                            args.together), args.top)
+                            args.substeps), args.top)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"preset": args.preset, "layers": config.num_hidden_layers, "quant": args.quant,

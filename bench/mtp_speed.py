@@ -8,17 +8,15 @@ Measured, for each slot count:
    runs, eager (`_ms`) and replayed from a CUDA graph (`_graph_ms`, as the engine runs its steps on a GPU), for
    1 + k positions per slot (k = each of --drafts), in both of the model's forms: "one by one"
    (each position a plain step: what the engine runs where the backend's row-wise ops are not independent of the
-   row count, the default on every backend today) and "together" (the positions' row-wise ops in one pass, the form
-   that saves time; its logits are compared bit for bit with the plain steps', `together_exact`, which is what a
-   backend must show before it may verify that way: ops.rows_independent), and the plain step in that form too
-   (`plain_step_fixed_tiles_ms`: on a GPU every decode product in the row kernels' fixed tiles), and one pass of
-   the MTP head (`head_step_graph_ms`);
+   row count, the CPU's with SIMD) and "together" (the positions' row-wise ops in one pass, each product's rows as
+   a plain step computes them: the Triton backend's form; its logits are compared bit for bit with the plain
+   steps', `together_exact`, which is what a backend must show before it may verify that way:
+   ops.rows_independent), and one pass of the MTP head (`head_step_graph_ms`);
 2. plain decoding against an engine drafting 3 tokens a step whose drafts come from an oracle (the tokens plain
    decoding produced, labelled as such: random weights accept nothing of their own): generated tok/s of each, the
    accepted drafts, and where the drafting engine's time went (the head's drafting, the verify step, the rest; on a
-   GPU as spans of the device's timeline), whether every answer was plain decoding's; "oracle" in the form the
-   engine runs today, "oracle_together" with every decode product in fixed row tiles and the verify step's
-   positions together (both engines). With --accuracies below 1 the oracle's drafts are each wrong with the
+   GPU as spans of the device's timeline), whether every answer was plain decoding's; "oracle" with the verify
+   step's positions one by one, "oracle_together" with them together (the engine's form on a GPU). With --accuracies below 1 the oracle's drafts are each wrong with the
    rest's chance (`_accuracy_P`), and with --choices adaptive the drafting engine chooses its drafts itself
    (`_adaptive`: from each slot's acceptance and, on a GPU, its step costs measured at start, `step_costs_ms`, and
    what its steps took beyond them on the host's clock, `step_extra_ms`):
@@ -71,16 +69,16 @@ def _graphed_ms(run, device: torch.device, repeats: int) -> float | str:
 
 class _Form:
     """ops.rows_independent set for a block: off, a verify step's positions run one plain step after another;
-    on, together, and every decode product (a plain step's too) in fixed row tiles."""
+    on, together (a plain step runs alike either way)."""
 
     def __init__(self, ops, together: bool):
         self.ops, self.together = type(ops), together
 
     def __enter__(self):
-        self.ops.rows_independent = self.together
+        self.was, self.ops.rows_independent = self.ops.rows_independent, self.together
 
     def __exit__(self, *exc):
-        self.ops.rows_independent = False
+        self.ops.rows_independent = self.was
 
 
 def verify_costs(model, slots: int, drafts: list[int], device: torch.device, repeats: int) -> dict:
@@ -101,12 +99,11 @@ def verify_costs(model, slots: int, drafts: list[int], device: torch.device, rep
     plain_tokens, plain_positions, _ = rows(1)
     ops = model.ops
     out = {}
-    for form, together in (("", False), ("_fixed_tiles", True)):
-        with _Form(ops, together):
-            def plain():
-                model.decode_rows(plain_tokens, plain_positions, active, states, rope)
-            out[f"plain_step{form}_ms"] = 1e3 * _timed(plain, device, repeats)
-            out[f"plain_step{form}_graph_ms"] = _graphed_ms(plain, device, repeats)
+
+    def plain():
+        model.decode_rows(plain_tokens, plain_positions, active, states, rope)
+    out["plain_step_ms"] = 1e3 * _timed(plain, device, repeats)
+    out["plain_step_graph_ms"] = _graphed_ms(plain, device, repeats)
     # One pass of the MTP head over every slot's row (a draft 2..k; draft 1 runs over the unseen positions).
     streams = model.verify_rows(plain_tokens, plain_positions, active, states, rope, 1)[1].clone()
     with _Form(ops, True):
@@ -122,7 +119,7 @@ def verify_costs(model, slots: int, drafts: list[int], device: torch.device, rep
                     model.verify_rows(tokens, positions, on, states, rope, 1 + k)
                 entry[f"{form}_ms"] = 1e3 * _timed(verify, device, repeats)
                 entry[f"{form}_graph_ms"] = _graphed_ms(verify, device, repeats)
-        # Exactness of the together form: the same rows from fresh states, against plain steps in the same form.
+        # Exactness of the together form: the same rows from fresh states, against plain steps.
         check, reference = model.new_state_batch(slots, 1024, device), model.new_state_batch(slots, 1024, device)
         check.allocate_history(k)
         for a, b in zip(check.rows, reference.rows):
@@ -134,7 +131,7 @@ def verify_costs(model, slots: int, drafts: list[int], device: torch.device, rep
                                                       positions[j * slots:(j + 1) * slots], active, reference, rope)
                                     for j in range(1 + k)])
         entry["together_exact"] = bool(torch.equal(together, plain_rows))
-        graphs = (entry["together_graph_ms"], out["plain_step_fixed_tiles_graph_ms"])
+        graphs = (entry["together_graph_ms"], out["plain_step_graph_ms"])
         if all(isinstance(t, float) for t in graphs):
             entry["together_over_plain_graph"] = round(graphs[0] / graphs[1], 3)
         out[f"k{k}"] = entry
@@ -143,14 +140,10 @@ def verify_costs(model, slots: int, drafts: list[int], device: torch.device, rep
 
 def oracle_run(model, slots: int, tokens: int, device: torch.device, context: int, together: bool,
                accuracy: float = 1.0, adaptive: bool = False) -> dict:
-    """Plain decoding, then 3 drafts a step from an oracle (section 2); `together`: both engines with every decode
-    product in fixed row tiles and the verify step's positions in one pass (ops.rows_independent)."""
-    ops = type(model.ops)
-    ops.rows_independent = together
-    try:
+    """Plain decoding, then 3 drafts a step from an oracle (section 2); `together`: the verify step's positions in
+    one pass (ops.rows_independent), else one by one."""
+    with _Form(model.ops, together):
         return _oracle_run(model, slots, tokens, device, context, accuracy, adaptive)
-    finally:
-        ops.rows_independent = False
 
 
 def _oracle_run(model, slots: int, tokens: int, device: torch.device, context: int, accuracy: float,

@@ -232,8 +232,8 @@ def test_a_model_parked_in_host_memory_comes_back_the_same(models, name, monkeyp
 def test_mtp_on_equals_off_on_the_gpu(models, name, slots, together, monkeypatch):
     """Speculative decoding (3 drafts a step, an oracle's drafts partly wrong) beside plain decoding from the
     CUDA graph: every logits row each request's tokens come from is the same, greedy and seeded; with the verify
-    step's positions one plain step after another, and together (every decode product in fixed row tiles, both
-    engines)."""
+    step's positions one plain step after another, and together (each product's rows as plain steps compute them:
+    the bfloat16 model's cuBLAS projections a sub-step at a time)."""
     from test_speculative import _oracle
 
     from qwen4exp.engine.model.triton_ops import TritonOps

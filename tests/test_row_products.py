@@ -55,16 +55,29 @@ try:
     results["bad_shape"] = "accepted"
 except ValueError as err:
     results["bad_shape"] = str(err)
-# A verify step of 4 slots x 5 positions (20 rows, position-major) against its five plain steps of 4 rows, each
-# product in fixed 16-row tiles: the row kernel's, and a weight it does not take (rows not contiguous) as padded GEMMs.
-from qwen4exp.engine.model.triton_ops import _fixed_tiles
-x = torch.randn(20, 300, generator=gen).to(torch.bfloat16)
+# A verify step of 4 slots x 5 positions (20 rows, position-major) against its five plain steps of 4 rows, through
+# the Triton backend: a weight the row kernel takes (20 rows in fixed 16-row tiles), a weight it does not take (rows
+# not contiguous: cuBLAS on a GPU, F.linear here) and streams [rows, 2, K] (F.linear too), whose products must run
+# a sub-step at a time at the plain step's shape; the shapes F.linear was given are recorded.
+import torch.nn.functional as F
+from types import SimpleNamespace
+from qwen4exp.engine.model import triton_ops
+given = []
+def recording_linear(x, weight):
+    given.append(list(x.shape))
+    return F.linear(x, weight)
+triton_ops.F = row_products.F = SimpleNamespace(linear=recording_linear)
+ops = triton_ops.TritonOps()
 w = (torch.randn(40, 300, generator=gen) * 0.1).to(torch.bfloat16)
-for label, weight in (("row kernel", w), ("padded GEMM", w.T.contiguous().T)):
-    together = _fixed_tiles(x, weight)
-    steps = torch.cat([_fixed_tiles(x[i:i + 4], weight) for i in range(0, 20, 4)])
-    results[f"fixed tiles, {label}"] = {"taken": row_products.fits(x[:16], weight),
-                                        "equal": bool(torch.equal(together, steps)), "shape": list(together.shape)}
+for label, shape, weight in (("row kernel", (20, 300), w), ("F.linear", (20, 300), w.T.contiguous().T),
+                             ("F.linear, streams", (20, 2, 300), w)):
+    x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
+    plain = SimpleNamespace(decode=True, substeps=1)
+    steps = torch.cat([ops.linear(x[i:i + 4], weight, plain) for i in range(0, 20, 4)])
+    given.clear()
+    together = ops.linear(x, weight, SimpleNamespace(decode=True, substeps=5))
+    results[f"verify, {label}"] = {"equal": bool(torch.equal(together, steps)), "shape": list(together.shape),
+                                   "f_linear_given": list(given)}
 from qwen4exp.engine.model.backend import ops_for
 from qwen4exp.engine.model.ops import TORCH_OPS
 results["cpu_uses_f_linear"] = ops_for(torch.zeros(4, 8, dtype=torch.bfloat16)) is TORCH_OPS
@@ -89,11 +102,14 @@ def test_products_match_the_rounded_float32_product(results, label, dtype):
         assert r["alone_equal"], "a row's product must not depend on the rows beside it"
 
 
-def test_a_verify_steps_rows_sum_as_its_plain_steps_in_fixed_tiles(results):
-    """With rows_independent, TritonOps runs a decode step's products 16 rows at a time in kernels whose row tile is
-    16 (triton_ops._fixed_tiles): 20 rows at once give each row the numbers it gets in a step of 4."""
-    assert results["fixed tiles, row kernel"] == {"taken": True, "equal": True, "shape": [20, 40]}
-    assert results["fixed tiles, padded GEMM"] == {"taken": False, "equal": True, "shape": [20, 40]}
+def test_a_verify_steps_products_give_each_row_its_plain_steps_numbers(results):
+    """TritonOps runs a verify step's products (its positions' rows together) as its plain steps run them: a weight
+    the row kernel takes in its fixed 16-row tiles, one read for all 20 rows; one that goes to cuBLAS (F.linear) a
+    sub-step at a time, at the plain step's 4 rows, since cuBLAS picks its kernel by the row count."""
+    assert results["verify, row kernel"] == {"equal": True, "shape": [20, 40], "f_linear_given": []}
+    assert results["verify, F.linear"] == {"equal": True, "shape": [20, 40], "f_linear_given": [[4, 300]] * 5}
+    assert results["verify, F.linear, streams"] == {"equal": True, "shape": [20, 2, 40],
+                                                    "f_linear_given": [[4, 2, 300]] * 5}
 
 
 def test_bad_shapes_are_refused_and_cpu_tensors_go_to_f_linear(results):

@@ -6,4 +6,8 @@ them without a cycle)."""
 # says the same number (config/schema.py; tests/test_config.py holds them together).
 MAX_SLOTS = 16
 MAX_DRAFTS = 7        # most drafted tokens per slot and step (speculative.py)
-AUTO_DRAFTS = 3       # what mtp = "auto" drafts where drafting pays
+# What `mtp = "auto"` drafts where a step's positions verify together off a CPU (a GPU): none until drafting measures
+# faster than plain decoding on the full model at a trained head's acceptance. On its first 24 layers (UD-Q4_K_XL, an
+# H100) drafts right at 0.72 gained 7-15% with one slot and lost 2-6% with four; the 48 layers are not measured yet
+# (docs/PERFORMANCE.md). A number in the profile drafts anyway.
+AUTO_DRAFTS = 0

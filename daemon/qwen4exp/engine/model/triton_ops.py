@@ -23,25 +23,21 @@ from ...kernels import ngram_rows, rope, router
 from ...kernels import row_products
 from .. import hot_experts
 from . import conv, delta_rule, qsa
-from .ops import TorchOps, decode_product
+from .ops import TorchOps
 from .quantized import QuantizedStack
 
 
 class TritonOps(TorchOps):
     name = "triton"
-    # Off: a decode step's mid-sized projections go to cuBLAS (row_products.faster_than_cublas), which chooses its
-    # kernel by row count, so a verify step's positions run sub-step by sub-step. On: every decode product runs in
-    # the row kernels' fixed 16-row tiles (`_fixed_tiles`), so a row sums alike in a plain step and in a verify
-    # step of more rows (bench/mtp_speed.py's together_exact, tests/test_gpu_engine.py's MTP test).
-    rows_independent = False
+    # A verify step (model/verify.py) runs its positions' row-wise ops together, each product's rows as plain decode
+    # steps compute them (`_as_plain_steps`): its positions get plain steps' numbers, and a plain step runs as it
+    # does without speculative decoding.
+    rows_independent = True
 
     def linear(self, x, weight, step):
-        if step.decode and self.rows_independent:
-            return _fixed_tiles(x, weight)
-        if isinstance(weight, QuantizedStack):
-            return block_products.linear(x, weight)
-        # A decode step's few rows stream each weight once in row_products' kernel where it beats cuBLAS.
-        return row_products.linear(x, weight) if step.decode else F.linear(x, weight)
+        if step.decode and step.substeps > 1:
+            return _as_plain_steps(x, weight, step.substeps)
+        return _product(x, weight, step.decode)
 
     def shared_linear(self, x, runs, sizes, step):
         # One product per stack (a stack of one block type, or the dense one): the few rows of a decode step read
@@ -206,19 +202,31 @@ def with_torch_forms(ops: frozenset[str]) -> TritonOps:
     return backend
 
 
-def _fixed_tiles(x: torch.Tensor, weight) -> torch.Tensor:
-    """x @ weight.T, 16 rows at a time, each in a kernel whose row tile is 16 whatever the rows it is given (a weight
-    the row kernel does not take: a GEMM of 16 rows, padded), so a row's sum does not depend on the row count."""
-    rows = x.reshape(-1, x.shape[-1])
-    # A plain step's rows are one tile: its product is the output as it is (no copy through torch.cat, which
-    # cost every product of the step a kernel).
-    out = [_tile_product(block, weight) for block in rows.split(row_products.MAX_ROWS)]
-    return (out[0] if len(out) == 1 else torch.cat(out)).reshape(*x.shape[:-1], -1)
-
-
-def _tile_product(block: torch.Tensor, weight) -> torch.Tensor:
+def _product(x: torch.Tensor, weight, decode: bool) -> torch.Tensor:
     if isinstance(weight, QuantizedStack):
-        return block_products.linear(block, weight)
-    if row_products.fits(block, weight):
-        return row_products.row_products(block, weight)
-    return decode_product(block, weight)
+        return block_products.linear(x, weight)
+    # A decode step's few rows stream each weight once in row_products' kernel where it beats cuBLAS.
+    return row_products.linear(x, weight) if decode else F.linear(x, weight)
+
+
+def _as_plain_steps(x: torch.Tensor, weight, substeps: int) -> torch.Tensor:
+    """A verify step's product, x [S * R, ..., K] holding sub-step after sub-step (R rows each: a slot's row, or its
+    streams'), each row what a plain decode step's product over R rows gives it. Where that runs in a kernel whose
+    row tile is fixed (block products, the row kernel), a row's sum does not depend on the rows beside it, and the
+    rows go 16 at a time (the weight read once per 16 rows); where it runs on cuBLAS, which picks its kernel by the
+    row count, each sub-step's rows go on their own, at the plain step's shape. Rows that are not S blocks (the
+    drafts' LM head takes a slot's last row) are one block."""
+    count = x.shape[0] // substeps if x.shape[0] % substeps == 0 else x.shape[0]
+    if _fixed_row_tile(x[:count], weight):
+        rows = x.reshape(-1, x.shape[-1])
+        out = [_product(block, weight, True) for block in rows.split(row_products.MAX_ROWS)]
+        return (out[0] if len(out) == 1 else torch.cat(out)).reshape(*x.shape[:-1], -1)
+    out = [_product(block, weight, True) for block in x.split(count)]
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+def _fixed_row_tile(x: torch.Tensor, weight) -> bool:
+    """Whether a decode step's product of x runs in a kernel whose row tile is MAX_ROWS whatever the rows given."""
+    if isinstance(weight, QuantizedStack):
+        return x.reshape(-1, x.shape[-1]).shape[0] <= row_products.MAX_ROWS
+    return row_products.fits(x, weight) and row_products.faster_than_cublas(weight.shape[0])
