@@ -77,15 +77,14 @@ def census(config: ModelConfig, quantized: dict, rows: int, target: guard.Target
         if substeps > 1:
             states.allocate_history(substeps - 1)
         rope = model.rope_table(kernel_launches.CAPACITY, device)
-        ids = torch.zeros(rows, dtype=torch.long, device=device)
-        active = torch.ones(rows, dtype=torch.bool, device=device)
+        ids = torch.zeros(rows * substeps, dtype=torch.long, device=device)
+        active = torch.ones(rows * substeps, dtype=torch.bool, device=device)
         start = len(launches)
         with Census() as counted:
             if chunk:
                 model(torch.zeros(chunk, dtype=torch.long, device=device), states.rows[0])
             else:
-                model.verify_rows(ids.repeat(substeps), ids.repeat(substeps), active.repeat(substeps), states, rope,
-                                  substeps)
+                model.verify_rows(ids, ids, active, states, rope, substeps)
         step = launches[start:]
     triton = collections.Counter((launch.op.split("|")[0], launch.op.split("|")[1], launch.name) for launch in step)
     return {"triton": triton, "torch": counted.ops}

@@ -37,7 +37,12 @@ class TritonOps(TorchOps):
     def linear(self, x, weight, step):
         if step.decode and step.substeps > 1:
             return _as_plain_steps(x, weight, step.substeps)
-        return _product(x, weight, step.decode)
+        return _plain_product(x, weight, step.decode)
+
+    def _product(self, step):
+        # The torch forms' products (the stream mix's where its kernel does not take the sizes) go through `linear`
+        # too, so a verify step gives their rows plain steps' numbers as well.
+        return functools.partial(self.linear, step=step)
 
     def shared_linear(self, x, runs, sizes, step):
         # One product per stack (a stack of one block type, or the dense one): the few rows of a decode step read
@@ -202,7 +207,7 @@ def with_torch_forms(ops: frozenset[str]) -> TritonOps:
     return backend
 
 
-def _product(x: torch.Tensor, weight, decode: bool) -> torch.Tensor:
+def _plain_product(x: torch.Tensor, weight, decode: bool) -> torch.Tensor:
     if isinstance(weight, QuantizedStack):
         return block_products.linear(x, weight)
     # A decode step's few rows stream each weight once in row_products' kernel where it beats cuBLAS.
@@ -219,9 +224,9 @@ def _as_plain_steps(x: torch.Tensor, weight, substeps: int) -> torch.Tensor:
     count = x.shape[0] // substeps if x.shape[0] % substeps == 0 else x.shape[0]
     if _fixed_row_tile(x[:count], weight):
         rows = x.reshape(-1, x.shape[-1])
-        out = [_product(block, weight, True) for block in rows.split(row_products.MAX_ROWS)]
+        out = [_plain_product(block, weight, True) for block in rows.split(row_products.MAX_ROWS)]
         return (out[0] if len(out) == 1 else torch.cat(out)).reshape(*x.shape[:-1], -1)
-    out = [_product(block, weight, True) for block in x.split(count)]
+    out = [_plain_product(block, weight, True) for block in x.split(count)]
     return out[0] if len(out) == 1 else torch.cat(out)
 
 
