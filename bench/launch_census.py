@@ -6,9 +6,10 @@
 The model is built on the meta device for a CUDA target (kernel_launches' way: the Triton backend, no memory),
 one decode step of `--rows` rows runs (or a verify step of `--substeps` positions a row), and every Triton launch
 and every torch operator that would launch a kernel on the GPU (not views, not allocations) is counted, each under
-the layer kind and the ops-backend method it ran in. A replayed CUDA graph runs exactly these kernels, so the census is the step's kernel count
-that bench/decode_trace.py measures on the GPU (up to torch operators whose CUDA form launches more than one
-kernel, or none), at a fraction of a lease: where the small kernels of a step come from, before fusing them.
+the layer kind and the ops-backend method it ran in. A replayed CUDA graph runs exactly these kernels, so the
+census is the step's kernel count that bench/decode_trace.py measures on the GPU (up to torch operators whose CUDA
+form launches more than one kernel, or none), at a fraction of a lease: where the small kernels of a step come
+from, before fusing them.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ Measured, for each slot count:
    decoding produced, labelled as such: random weights accept nothing of their own): generated tok/s of each, the
    accepted drafts, and where the drafting engine's time went (the head's drafting, the verify step, the rest; on a
    GPU as spans of the device's timeline), whether every answer was plain decoding's; "oracle" with the verify
-   step's positions one by one, "oracle_together" with them together (the engine's form on a GPU). With --accuracies below 1 the oracle's drafts are each wrong with the
-   rest's chance (`_accuracy_P`), and with --choices adaptive the drafting engine chooses its drafts itself
-   (`_adaptive`: from each slot's acceptance and, on a GPU, its step costs measured at start, `step_costs_ms`, and
-   what its steps took beyond them on the host's clock, `step_extra_ms`):
-   measured tok/s at a given acceptance, where section 3 computes it;
+   step's positions one by one, "oracle_together" with them together (the engine's form on a GPU). With
+   --accuracies below 1 the oracle's drafts are each wrong with the rest's chance (`_accuracy_P`), and with
+   --choices adaptive the drafting engine chooses its drafts itself (`_adaptive`: from each slot's acceptance and,
+   on a GPU, its step costs measured at start, `step_costs_ms`, and what its steps took beyond them on the host's
+   clock, `step_extra_ms`): measured tok/s at a given acceptance, where section 3 computes it;
 3. tok/s at a mean acceptance length of 2.6 tokens per step (vLLM's figure for 3 drafts on the FP8 model), from
    the measured times: 2.6 tokens a slot / the oracle run's whole time per step (drafting, verifying and the
    engine's own work around them: a step of 3 drafts costs that whether 1 or all 3 are taken).
