@@ -19,6 +19,8 @@ row alone and the blocks on the weight's shape alone (alone == together holds fo
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -37,11 +39,16 @@ def plan(n: int, k: int) -> dict:
     return row_products.plan(n, k) | {"BLOCK_K": 128}
 
 
+def kernel_takes(x: torch.Tensor) -> bool:
+    """Whether `linear` runs x's rows in the kernel (else F.linear on the dequantized weight)."""
+    return math.prod(x.shape[:-1]) <= MAX_ROWS
+
+
 def linear(x: torch.Tensor, stack) -> torch.Tensor:
     """x [..., K] @ stack[N, K].T in x's dtype: the kernel for at most MAX_ROWS rows, else F.linear on the
     dequantized weight. Which one runs depends on the shapes alone."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] <= MAX_ROWS:
+    if kernel_takes(x):
+        rows = x.reshape(-1, x.shape[-1])
         return block_row_products(rows, stack.blocks, stack.qtype).reshape(*x.shape[:-1], stack.shape[0])
     return F.linear(x, dequantize_stack(stack))
 

@@ -40,12 +40,15 @@ def faster_than_cublas(n: int) -> bool:
     return n <= 2048 or n >= 65536
 
 
+def kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` runs x @ weight.T in the kernel (else on cuBLAS, whose kernel follows the row count)."""
+    return fits(x, weight) and faster_than_cublas(weight.shape[0])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T for a decode step: the kernel where it applies and is the faster, else
     F.linear. Which one runs depends on the shapes alone, so every step of an engine sums alike."""
-    if fits(x, weight) and faster_than_cublas(weight.shape[0]):
-        return row_products(x, weight)
-    return F.linear(x, weight)
+    return row_products(x, weight) if kernel_takes(x, weight) else F.linear(x, weight)
 
 
 def plan(n: int, k: int) -> dict:

@@ -233,5 +233,5 @@ def _as_plain_steps(x: torch.Tensor, weight, substeps: int) -> torch.Tensor:
 def _fixed_row_tile(x: torch.Tensor, weight) -> bool:
     """Whether a decode step's product of x runs in a kernel whose row tile is MAX_ROWS whatever the rows given."""
     if isinstance(weight, QuantizedStack):
-        return x.reshape(-1, x.shape[-1]).shape[0] <= row_products.MAX_ROWS
-    return row_products.fits(x, weight) and row_products.faster_than_cublas(weight.shape[0])
+        return block_products.kernel_takes(x)
+    return row_products.kernel_takes(x, weight)
