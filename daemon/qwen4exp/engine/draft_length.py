@@ -30,10 +30,18 @@ class StepCosts:
     seconds: dict[int, list[float]]
     extra: dict[int, float] = field(default_factory=dict)
     weight: float = 0.1         # of one step in `extra`
+    # A step's drafts are chosen by pricing some twenty candidate steps (DraftLength): the table's prices never
+    # change, and what a length takes beyond them changes only through `observe` (which forgets these), so both
+    # are kept.
+    _measured: dict[tuple[int, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _extras: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def step(self, substeps: int, rows: int) -> float:
         """The seconds of a step verifying `substeps` positions for its longest slot and `rows` rows in all."""
-        return self.measured(substeps, rows) + self._extra(substeps)
+        extra = self._extras.get(substeps)
+        if extra is None:
+            extra = self._extras[substeps] = self._extra(substeps)
+        return self.measured(substeps, rows) + extra
 
     def observe(self, substeps: int, rows: int, seconds: float) -> None:
         """A step of the engine's took `seconds` by the host's clock, from its drafts to its commit. What it took
@@ -42,6 +50,7 @@ class StepCosts:
         price = self.measured(substeps, rows)
         over = min(max(seconds - price, 0.0), 2 * price)
         self.extra[substeps] = self.extra.get(substeps, 0.0) + self.weight * (over - self.extra.get(substeps, 0.0))
+        self._extras.clear()
 
     def _extra(self, substeps: int) -> float:
         if substeps in self.extra or substeps == 1:
@@ -52,6 +61,12 @@ class StepCosts:
 
     def measured(self, substeps: int, rows: int) -> float:
         """The table's price of a step, without what the engine's steps showed beyond it."""
+        price = self._measured.get((substeps, rows))
+        if price is None:
+            price = self._measured[substeps, rows] = self._interpolated(substeps, rows)
+        return price
+
+    def _interpolated(self, substeps: int, rows: int) -> float:
         at = self.seconds[substeps]
         slots = max(rows / substeps, self.busy[0])
         i = min(max(bisect_left(self.busy, slots), 1), len(self.busy) - 1) if len(self.busy) > 1 else 0
