@@ -1,19 +1,21 @@
 """Time a decode step's matrix products on a GPU: cuBLAS (F.linear) against row_products.py's kernel, or with
 `--qtype`, block_products.py's kernel over weights kept as GGML blocks against both on their dense twin.
 
-    python bench/row_products_bench.py --out rows.json [--rows 1,4] [--qtype Q8_0]
+    python bench/row_products_bench.py --out rows.json [--rows 1,4] [--qtype Q8_0] [--grid] [--cublas-shapes]
 
 For each weight shape a decode step of the bench preset multiplies (LM head, Gated DeltaNet's stacked input
 and output projections, QSA's, the MoE's stacked router + shared expert, the hyper-connections' 324 x 10240),
 the GPU time per product and the weight bytes it reads per second, for the kernel's own plan and a few other
-block shapes. Each timing cycles through enough copies of the weight that none is still in L2 when it is read
-again, as in a decode step, where every weight is read once. With `--qtype`, TB/s counts the blocks' bytes for
-the block kernel and the twin's bfloat16 bytes for the others.
+block shapes (with `--grid`, every combination of GRID's block shapes instead; with `--cublas-shapes`, only the
+shapes that linear() leaves to cuBLAS). Each timing cycles through enough copies of the weight that none is still
+in L2 when it is read again, as in a decode step, where every weight is read once. With `--qtype`, TB/s counts
+the blocks' bytes for the block kernel and the twin's bfloat16 bytes for the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -28,6 +30,17 @@ from qwen4exp.kernels.quant_tiles import LAYOUTS, dequantize_rows
 SHAPES = [(248320, 2560), (16480, 2560), (12288, 2560), (2560, 6144), (2560, 2560), (1793, 2560), (1024, 2560),
           (324, 10240), (10240, 320), (2560, 640)]
 L2_BYTES = 256 << 20   # well above an H200's 50 MB L2
+GRID = {"BLOCK_N": (16, 32, 64), "BLOCK_K": (128, 256), "SPLIT_K": (1, 2, 4, 8), "num_warps": (2, 4, 8),
+        "num_stages": (3, 4)}
+
+
+def grid_candidates(planned: dict) -> dict[str, dict]:
+    out = {"plan": planned}
+    for values in itertools.product(*GRID.values()):
+        config = dict(zip(GRID, values))
+        if config not in out.values():
+            out[" ".join(f"{key.lower()} {value}" for key, value in config.items())] = config
+    return out
 
 
 def candidates(planned: dict) -> dict[str, dict]:
@@ -46,7 +59,7 @@ def candidates(planned: dict) -> dict[str, dict]:
     return out
 
 
-def dense_entry(n: int, k: int, rows: int) -> dict:
+def dense_entry(n: int, k: int, rows: int, grid: bool) -> dict:
     """cuBLAS and the dense kernel's candidates on a bfloat16 weight."""
     nbytes = n * k * 2
     copies = max(1, min(64, -(-L2_BYTES // nbytes)))
@@ -56,7 +69,7 @@ def dense_entry(n: int, k: int, rows: int) -> dict:
     entry = {"shape": [n, k], "rows": rows, "MB": round(nbytes / 1e6, 1)}
     us = graph_us(lambda i: F.linear(x, weights[i]), calls=copies, replays=3)
     entry["cublas"] = {"us": round(us, 2), "TB/s": round(nbytes / us / 1e6, 2)}
-    for name, config in candidates(row_products.plan(n, k)).items():
+    for name, config in (grid_candidates if grid else candidates)(row_products.plan(n, k)).items():
         entry[name] = timed(lambda i, c=config: row_products.row_products(x, weights[i], c), copies, nbytes,
                             config, want)
     return entry
@@ -102,14 +115,19 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--rows", default="1,4")
     parser.add_argument("--qtype", choices=sorted(LAYOUTS), help="time the block kernel over this block type")
+    parser.add_argument("--grid", action="store_true", help="every combination of GRID's block shapes (dense)")
+    parser.add_argument("--cublas-shapes", action="store_true", help="only the shapes linear() gives cuBLAS")
     args = parser.parse_args()
     results = []
     for n, k in SHAPES:
+        if args.cublas_shapes and row_products.faster_than_cublas(n):
+            continue
         for rows in (int(r) for r in args.rows.split(",")):
-            entry = blocks_entry(n, k, rows, args.qtype) if args.qtype else dense_entry(n, k, rows)
-            best = min((v["us"], name) for name, v in entry.items() if isinstance(v, dict) and "us" in v)
-            entry["best"] = best[1]
-            print(json.dumps(entry), flush=True)
+            entry = blocks_entry(n, k, rows, args.qtype) if args.qtype else dense_entry(n, k, rows, args.grid)
+            timings = sorted((v["us"], name) for name, v in entry.items() if isinstance(v, dict) and "us" in v)
+            entry["best"] = timings[0][1]
+            print(json.dumps({key: entry[key] for key in ("shape", "rows", "MB", "best")} | {
+                name: entry[name]["us"] for _, name in timings[:6]} | {"cublas": entry.get("cublas")}), flush=True)
             results.append(entry)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "qtype": args.qtype,
