@@ -49,8 +49,8 @@ def main() -> None:
         run = next((r for r in entry.values() if r and r.get("step_costs_ms")), None)
         if run is None:
             continue
-        costs, plain = StepCosts.from_table(run["step_costs_ms"]), int(slots) / (run["plain_ms_per_step"] / 1e3)
-        costs.extra = {int(s): ms / 1e3 for s, ms in (run.get("step_extra_ms") or {}).items()}
+        costs = StepCosts.from_table(run["step_costs_ms"], run.get("step_extra_ms"))
+        plain = int(slots) / (run["plain_ms_per_step"] / 1e3)
         for accuracy in (float(a) for a in args.accuracies.split(",")):
             fixed = tokens_per_second(costs, int(slots), accuracy, args.steps, adaptive=False)
             chosen = tokens_per_second(costs, int(slots), accuracy, args.steps, adaptive=True)

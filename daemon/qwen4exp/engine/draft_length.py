@@ -30,7 +30,7 @@ class StepCosts:
     seconds: dict[int, list[float]]
     extra: dict[int, float] = field(default_factory=dict)
     weight: float = 0.1         # of one step in `extra`
-    # A step's drafts are chosen by pricing some twenty candidate steps (DraftLength): the table's prices never
+    # A step's drafts are chosen by pricing some 25 candidate steps (DraftLength): the table's prices never
     # change, and what a length takes beyond them changes only through `observe` (which forgets these), so both
     # are kept.
     _measured: dict[tuple[int, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -81,10 +81,12 @@ class StepCosts:
                 for s, times in self.seconds.items()}
 
     @classmethod
-    def from_table(cls, table: dict[str, dict[str, float]]) -> StepCosts:
-        """The costs that `table()` wrote (a benchmark's results read back)."""
+    def from_table(cls, table: dict[str, dict[str, float]], extra_ms: dict[str, float] | None = None) -> StepCosts:
+        """The costs that `table()` wrote (a benchmark's results read back), with what the steps took beyond it
+        in milliseconds by length where given."""
         busy = sorted(int(b) for b in next(iter(table.values())))
-        return cls(busy, {int(s): [table[s][str(b)] / 1e3 for b in busy] for s in table})
+        return cls(busy, {int(s): [table[s][str(b)] / 1e3 for b in busy] for s in table},
+                   {int(s): ms / 1e3 for s, ms in (extra_ms or {}).items()})
 
 
 @dataclass
