@@ -107,7 +107,7 @@ def _counted(model: Qwen4ExpForCausalLM, state, names: list[str]) -> dict[str, i
 
 def _allocated(model: Qwen4ExpForCausalLM, device: torch.device, make):
     """`make()` and its bytes on each of the model's devices: the allocator's rise on a GPU, the tensors' sizes on
-    the CPU (torch's CPU tensors are plain allocations of that size; the resident set would only add noise)."""
+    the CPU (what torch allocates for them there, as `PeakMeter` counts a CPU's peak)."""
     names = device_names(model, device)
     gpus = {name: as_device(name) for name in names if torch.device(name).type == "cuda"}
     before = {}
@@ -164,17 +164,6 @@ class Meters:
     def __getitem__(self, name: str) -> PeakMeter:
         return self._meters[self._physical[name]]
 
-    @property
-    def on_cpu(self) -> bool:
-        return any(key.type == "cpu" for key in self._meters)
-
-    def keep_lower(self, again: "Meters") -> None:
-        """Each CPU meter's reading, the lower of its own and `again`'s (a run of the same work)."""
-        for key, meter in self._meters.items():
-            if key.type == "cpu":
-                meter.peak = min(meter.peak, again._meters[key].peak)
-                meter.peak_total = min(meter.peak_total, again._meters[key].peak_total)
-
 
 def _physical(name: str) -> torch.device:
     device = as_device(name)
@@ -185,20 +174,11 @@ def run_chunk(model: Qwen4ExpForCausalLM, state, rows: int, device: torch.device
     """Run one `rows`-token chunk at the state's last positions under a meter on each device. Every row is the
     same token, so the MoE sends them all to the same experts: the per-expert loop's largest batch."""
     ids = torch.full((rows,), 1, dtype=torch.long, device=device)
-
-    def run() -> Meters:
-        state.length = state.capacity - rows
-        # The RoPE table grows with the position and stays; drop it so this peak pays for the one it needs.
-        model.release_rope_table()
-        with Meters(model, device) as meters:
-            model(ids, state)
-        return meters
-
-    meters = run()
-    if meters.on_cpu:
-        # A CPU peak counts whatever else the process touched meanwhile: it reads high, never low, and one high
-        # reading moves a fit down a step. The lower of two runs.
-        meters.keep_lower(run())
+    state.length = state.capacity - rows
+    # The RoPE table grows with the position and stays; drop it so this peak pays for the one it needs.
+    model.release_rope_table()
+    with Meters(model, device) as meters:
+        model(ids, state)
     return meters
 
 
@@ -219,10 +199,10 @@ def _release(model: Qwen4ExpForCausalLM, device: torch.device) -> None:
 
 
 def warm_up(model: Qwen4ExpForCausalLM, device: torch.device, rows: int, slots: int = 1) -> None:
-    """One chunk and one decode step over `slots` rows before any measurement: a process's first forward also
-    pays for lazy set-up (thread pools, kernels' scratch, a GPU's kernels compiled in this process), ~18 MiB more
-    than later ones on the tiny model on the CPU, which a CPU's peak (a split model's layers on the host) would
-    count. The chunk ends past QSA's dense limit, so the indexer's scoring path runs too."""
+    """One chunk and one decode step over `slots` rows before any measurement: a process's first forward on a GPU
+    also pays for lazy set-up (kernels compiled in this process, the BLAS library's workspace), which its peak
+    would count. (On the CPU the first forward reads as later ones: lazy set-up is not torch's allocations.) The
+    chunk ends past QSA's dense limit, so the indexer's scoring path runs too."""
     capacity = rows + model.config.dense_limit + 1
 
     def run() -> None:

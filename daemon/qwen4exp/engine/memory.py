@@ -4,20 +4,21 @@ CUDA and ROCm are both "cuda" to torch, and everything here uses only the cachin
 (memory stats, set_per_process_memory_fraction, empty_cache), which HIP builds implement too.
 
 On the CPU there is no allocator to cap: a limit is recorded here and enforced by our own accounting (the
-context fit takes it as the capacity and checks its verification against it). Peaks on the CPU come from
-the process's resident set (VmHWM), which is noisy; see `PeakMeter`.
+context fit takes it as the capacity and checks its verification against it). Peaks on the CPU are torch's own
+allocations, recorded by its profiler; see `PeakMeter`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import torch
+from torch.autograd import DeviceType
 
 T = TypeVar("T")
 # torch.OutOfMemoryError is the public name since torch 2.5; the CUDA one is the same class there.
@@ -147,22 +148,6 @@ def _proc_status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}: CPU peak measurement needs Linux")
 
 
-_M_MMAP_THRESHOLD = -3     # glibc's mallopt parameter
-
-
-def _settle_heap() -> None:
-    """Make the resident set follow live memory: fix glibc's mmap threshold at 1 MiB (by default it rises
-    up to 32 MiB as large blocks are freed, and then tensors come from a heap that keeps freed pages, so a
-    peak depended on history: 77 or 110 MiB for the same chunk), then return free heap pages. The
-    threshold stays fixed for the process: a few more mmap calls on CPU, which serves only tests."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 class PeakMeter:
     """The peak bytes above the starting point while the block runs: `with PeakMeter(dev) as m: ...; m.peak`.
 
@@ -170,12 +155,13 @@ class PeakMeter:
     max_memory_reserved; the larger rise counts, as the cap applies to reserved blocks). `peak_total` is
     the absolute reserved peak, what the per-process cap compares against.
 
-    CPU: the resident set's high-water mark (reset by writing "5" to /proc/self/clear_refs, read from
-    VmHWM in /proc/self/status), with glibc's heap settled first (`_settle_heap`). Still noisy: anything
-    else the process touches meanwhile counts, small blocks may reuse pages already resident, and the
-    first forward in a process pays for lazy set-up (run one first). On the tiny model, repeated runs
-    of one chunk agree within about 2 MiB (4% at 50 MiB, 0.5% at 100 MiB); use it only where a real
-    measurement is needed. `peak_total` is the process's whole resident peak.
+    CPU: the peak of torch's own CPU allocations, what `max_memory_allocated` is on a GPU: torch's profiler
+    records every allocation and free through its CPU allocator (any thread's) in order, and the peak of their
+    running sum is the reading. The same work reads the same bytes, whatever else the process or the machine
+    does meanwhile; the resident set did not (library pages faulted back in after the kernel reclaimed them
+    under load, heap pages kept from earlier work). What torch does not allocate (Python objects, malloc's
+    slack) is not counted: the fit's headroom is for that. The first forward in a process pays for lazy set-up
+    (run one first). `peak_total` is `peak`: the profiler sees changes, not what was live before.
     """
 
     def __init__(self, device: torch.device | str):
@@ -184,6 +170,7 @@ class PeakMeter:
         self.peak = 0
         self.peak_total = 0
         self._start_reserved = 0
+        self._profile = None
 
     def __enter__(self) -> "PeakMeter":
         if self.device.type == "cuda":
@@ -192,13 +179,10 @@ class PeakMeter:
             self._start_reserved = torch.cuda.memory_reserved(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         elif self.device.type == "cpu":
-            _settle_heap()
-            try:
-                Path("/proc/self/clear_refs").write_text("5")
-            except OSError as err:
-                raise RuntimeError(f"cannot reset the resident peak ({err}): CPU peak measurement needs "
-                                   f"Linux's /proc/self/clear_refs") from None
-            self.start = _proc_status_kib("VmRSS") * 1024
+            # Kineto logs each profiler start and stop to stderr; a meter is not a profiling session.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+            self._profile = torch.autograd.profiler.profile(profile_memory=True)
+            self._profile.__enter__()
         else:
             raise ValueError(f"no peak meter for {self.device.type!r} devices")
         return self
@@ -210,9 +194,16 @@ class PeakMeter:
             self.peak = max(torch.cuda.max_memory_allocated(self.device) - self.start,
                             reserved - self._start_reserved, 0)
             self.peak_total = reserved
-        else:
-            self.peak_total = _proc_status_kib("VmHWM") * 1024
-            self.peak = max(self.peak_total - self.start, 0)
+            return
+        self._profile.__exit__(*exc)
+        changes = sorted((event.start_ns(), event.nbytes()) for event in self._profile.kineto_results.events()
+                         if event.name() == "[memory]" and event.device_type() == DeviceType.CPU)
+        self._profile = None
+        live = peak = 0
+        for _, change in changes:
+            live += change
+            peak = max(peak, live)
+        self.peak = self.peak_total = peak
 
 
 def current_device(name: str | torch.device | None) -> contextlib.AbstractContextManager:
