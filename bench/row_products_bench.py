@@ -1,15 +1,15 @@
 """Time a decode step's matrix products on a GPU: cuBLAS (F.linear) against row_products.py's kernel, or with
 `--qtype`, block_products.py's kernel over weights kept as GGML blocks against both on their dense twin.
 
-    python bench/row_products_bench.py --out rows.json [--rows 1,4] [--qtype Q8_0] [--grid] [--cublas-shapes]
+    python bench/row_products_bench.py --out rows.json [--rows 1,4] [--qtype Q8_0] [--grid] [--projections]
 
 For each weight shape a decode step of the bench preset multiplies (LM head, Gated DeltaNet's stacked input
 and output projections, QSA's, the MoE's stacked router + shared expert, the hyper-connections' 324 x 10240),
 the GPU time per product and the weight bytes it reads per second, for the kernel's own plan and a few other
-block shapes (with `--grid`, every combination of GRID's block shapes instead; with `--cublas-shapes`, only the
-shapes that linear() leaves to cuBLAS). Each timing cycles through enough copies of the weight that none is still
-in L2 when it is read again, as in a decode step, where every weight is read once. With `--qtype`, TB/s counts
-the blocks' bytes for the block kernel and the twin's bfloat16 bytes for the others.
+block shapes (with `--grid`, every combination of GRID's block shapes instead; with `--projections`, only the
+2048-65536-row weights, `row_products.narrow_tile_plan`'s). Each timing cycles through enough copies of the
+weight that none is still in L2 when it is read again, as in a decode step, where every weight is read once. With
+`--qtype`, TB/s counts the blocks' bytes for the block kernel and the twin's bfloat16 bytes for the others.
 """
 
 from __future__ import annotations
@@ -116,11 +116,11 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4")
     parser.add_argument("--qtype", choices=sorted(LAYOUTS), help="time the block kernel over this block type")
     parser.add_argument("--grid", action="store_true", help="every combination of GRID's block shapes (dense)")
-    parser.add_argument("--cublas-shapes", action="store_true", help="only the shapes linear() gives cuBLAS")
+    parser.add_argument("--projections", action="store_true", help="only the 2048-65536-row weights")
     args = parser.parse_args()
     results = []
     for n, k in SHAPES:
-        if args.cublas_shapes and row_products.faster_than_cublas(n):
+        if args.projections and not row_products.is_projection(n):
             continue
         for rows in (int(r) for r in args.rows.split(",")):
             entry = blocks_entry(n, k, rows, args.qtype) if args.qtype else dense_entry(n, k, rows, args.grid)

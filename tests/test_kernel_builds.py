@@ -112,9 +112,10 @@ def stages(target: str, kernel: str) -> set[int]:
 
 def test_amd_gpus_pipeline_within_their_64_kib_of_lds():
     # Tuned on the H200 at 4 stages; AMD's pipeliner keeps 3 copies of a 24 KiB step there (72 KiB): 3 stages fit.
-    for kernel in ("_rows_kernel", "_grouped_gate_up_kernel", "_grouped_down_kernel"):
+    # The row kernel's narrow tiles (the projections', 8 KiB a step) keep all 4.
+    for kernel, amd in (("_rows_kernel", {3, 4}), ("_grouped_gate_up_kernel", {3}), ("_grouped_down_kernel", {3})):
         assert stages("sm_90", kernel) == {4}
-        assert stages("gfx1201", kernel) == stages("gfx1151", kernel) == {3}, kernel
+        assert stages("gfx1201", kernel) == stages("gfx1151", kernel) == amd, kernel
 
 
 def test_an_op_whose_kernels_do_not_build_runs_its_torch_form_on_that_gpu(monkeypatch, caplog):

@@ -32,11 +32,11 @@ from .row_products import MAX_ROWS, fitted, split_input
 
 
 def plan(n: int, k: int) -> dict:
-    """row_products.plan's block shapes with half its input tile: dequantizing costs registers and instructions a
-    value, and 128 columns a tile ran 10-20% faster than 256 over Q8_0 blocks at every shape of the bench preset's
-    projections but the smallest (bench/row_products_bench.py --qtype; docs/PERFORMANCE.md). Any multiple of
-    32 columns holds whole groups of every block type, which is all the tile's dequantization needs."""
-    return row_products.plan(n, k) | {"BLOCK_K": 128}
+    """row_products.wide_tile_plan's block shapes with half its input tile: dequantizing costs registers and
+    instructions a value, and 128 columns a tile ran 10-20% faster than 256 over Q8_0 blocks at every shape of the
+    bench preset's projections but the smallest (bench/row_products_bench.py --qtype; docs/PERFORMANCE.md). Any
+    multiple of 32 columns holds whole groups of every block type, which is all the tile's dequantization needs."""
+    return row_products.wide_tile_plan(n, k) | {"BLOCK_K": 128}
 
 
 def kernel_takes(x: torch.Tensor) -> bool:

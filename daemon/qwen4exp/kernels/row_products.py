@@ -32,35 +32,54 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(1) == 1)
 
 
-def faster_than_cublas(n: int) -> bool:
-    """Where the kernel beat cuBLAS for 4 rows (bench/row_products_bench.py on an H200, weights not in L2):
-    weights of few rows (the MoE's 1793 x 2560 stack 7.6 us against 14.6, the hyper-connections' 324 x 10240
-    8.1 against 10.5, QSA's 512-640 x 2560) and the LM head (290 us against 311). cuBLAS kept the 2560-16480
-    row projections (12.7 us against 13.7 for 2560 x 6144)."""
-    return n <= 2048 or n >= 65536
-
-
 def kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` runs x @ weight.T in the kernel (else on cuBLAS, whose kernel follows the row count)."""
-    return fits(x, weight) and faster_than_cublas(weight.shape[0])
+    """Whether `linear` runs x @ weight.T in the kernel (else on cuBLAS, whose kernel follows the row count): every
+    weight whose product fits. With its block shapes per weight (`plan`) it beat cuBLAS on the weights of few rows
+    and the LM head, and on the 2048-65536-row projections taken together (two of them alone ~3% slower:
+    docs/PERFORMANCE.md); and its rows are independent, so a verify step reads each weight once for up to MAX_ROWS
+    rows, where a product on cuBLAS has to be repeated for each position to sum as a plain step does."""
+    return fits(x, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T for a decode step: the kernel where it applies and is the faster, else
-    F.linear. Which one runs depends on the shapes alone, so every step of an engine sums alike."""
+    """x [M, K] @ weight[N, K].T for a decode step: the kernel where it applies, else F.linear. Which one runs
+    depends on the shapes alone, so every step of an engine sums alike."""
     return row_products(x, weight) if kernel_takes(x, weight) else F.linear(x, weight)
 
 
+def is_projection(n: int) -> bool:
+    """The 2048-65536-row weights (the Gated DeltaNet and attention projections, the shared expert's): many rows
+    over a short input, where narrow tiles keep more loads in flight than `wide_tile_plan`'s."""
+    return 2048 < n < 65536
+
+
 def plan(n: int, k: int) -> dict:
-    """Block shapes for an [n, k] weight (fixed per shape, so a restart or another row count sums alike).
-    Enough programs to keep every SM's loads in flight: at least ~2 per SM on an H200's 132, splitting the
-    input when the weight has too few rows for that."""
-    block_n = 32       # the fastest, or within 1%, on every shape linear() gives the kernel
+    """Block shapes for an [n, k] weight (fixed per shape, so a restart or another row count sums alike)."""
+    return narrow_tile_plan(n, k) if is_projection(n) else wide_tile_plan(n, k)
+
+
+def wide_tile_plan(n: int, k: int) -> dict:
+    """32 weight rows by 256 inputs a tile, for the weights of few rows (the MoE's stacks, QSA's, the
+    hyper-connections') and the LM head. Enough programs to keep every SM's loads in flight: at least ~2 per SM
+    on an H200's 132, splitting the input when the weight has too few rows for that."""
+    block_n = 32       # the fastest, or within 1%, on every such shape
     programs = triton.cdiv(n, block_n)
     split = 1
     while programs * split < 264 and k // (split * 2) >= 1024:
         split *= 2
     return {"BLOCK_N": block_n, "BLOCK_K": 256, "SPLIT_K": split, "num_warps": 4, "num_stages": 4}
+
+
+def narrow_tile_plan(n: int, k: int) -> dict:
+    """16 weight rows by 128 inputs a tile and 2 warps, for the projections: the input split until ~4 programs
+    per SM of 132, each part at least 512 inputs (within 1% of the best of 144 block shapes per weight:
+    bench/row_products_bench.py --grid)."""
+    block_n = 16
+    programs = triton.cdiv(n, block_n)
+    split = 1
+    while programs * split < 528 and k // (split * 2) >= 512:
+        split *= 2
+    return {"BLOCK_N": block_n, "BLOCK_K": 128, "SPLIT_K": split, "num_warps": 2, "num_stages": 4}
 
 
 def fitted(config: dict, device: torch.device, itemsize: int) -> dict:
