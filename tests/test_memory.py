@@ -139,8 +139,8 @@ def _page_out_mapped_files() -> int:
 
 def test_a_cpu_peak_reads_the_same_after_the_kernel_took_back_torchs_pages():
     """Under memory pressure the kernel takes back a process's pages of torch's library code, and the next forward
-    faults them in again; the resident set counted those as the work's memory (~28 MiB on a tiny model's chunk),
-    and a context fit read that as workspace and served a step less."""
+    faults them in again; the resident set counted those as the work's memory (28 MiB over a tiny model's chunk),
+    which a context fit would take for workspace and serve less context."""
     x = torch.randn(256, 512)
 
     def work():

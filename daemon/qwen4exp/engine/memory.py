@@ -160,8 +160,9 @@ class PeakMeter:
     running sum is the reading. The same work reads the same bytes, whatever else the process or the machine
     does meanwhile; the resident set did not (library pages faulted back in after the kernel reclaimed them
     under load, heap pages kept from earlier work). What torch does not allocate (Python objects, malloc's
-    slack) is not counted: the fit's headroom is for that. The first forward in a process pays for lazy set-up
-    (run one first). `peak_total` is `peak`: the profiler sees changes, not what was live before.
+    slack) is not counted: the fit's headroom is for that. A process's first forward reads as later ones (its lazy
+    set-up is not torch's allocations; on a GPU it is: run one first). `peak_total` is `peak`: the profiler sees
+    changes, not what was live before.
     """
 
     def __init__(self, device: torch.device | str):

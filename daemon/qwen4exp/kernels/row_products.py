@@ -72,8 +72,8 @@ def wide_tile_plan(n: int, k: int) -> dict:
 
 def narrow_tile_plan(n: int, k: int) -> dict:
     """16 weight rows by 128 inputs a tile and 2 warps, for the projections: the input split until ~4 programs
-    per SM of 132, each part at least 512 inputs (within 1% of the best of 144 block shapes per weight:
-    bench/row_products_bench.py --grid)."""
+    per SM of 132, each part at least 512 inputs (over the six projections together, within 1% of the best of 144
+    block shapes for each: bench/row_products_bench.py --grid)."""
     block_n = 16
     programs = triton.cdiv(n, block_n)
     split = 1
