@@ -117,6 +117,48 @@ for name in ("float32", "bfloat16"):
         "state_scale": torch_state.abs().max().item(),
         "state_moved": (chunked - start).abs().max().item(),
     }
+    # A verify step's 3 sub-steps over 3 state rows in one launch (verify_steps, conv_substeps) against the decode
+    # step run sub-step after sub-step, rows idle in some sub-steps and active in later ones; the history has room
+    # for one more sub-step than the step keeps, which must stay as it was.
+    substeps, n = 3, 3
+    flags = torch.tensor([[True, False, True], [True, True, False], [False, True, True]])    # [sub-step, row]
+    conv_out = torch.randn(substeps * n, 2 * hk * dk + hv * dv, generator=gen).to(dtype)
+    q, k, v = torch.split(conv_out, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv))
+    gate_rows = torch.randn(substeps * n, 2 * hv + 3, generator=gen).to(dtype)
+    a, b = gate_rows[:, :hv], gate_rows[:, hv:2 * hv]
+    start = torch.randn(n, hv, dk, dv, generator=gen) * 0.1
+
+    def stepped_through(step, state, rows):
+        outs, kept = [], []
+        for j in range(substeps):
+            outs.append(step(*(r[j * n:(j + 1) * n] for r in rows), flags[j], state))
+            kept.append(state.clone())
+        return torch.cat(outs), torch.stack(kept)
+
+    ours, history = start.clone(), torch.full((substeps, *start.shape), float("nan"))
+    out = delta_rule_kernels.verify_steps(q, k, v, a, b, a_log, dt_bias, flags.flatten(), ours, history, substeps)
+    want, kept = stepped_through(lambda q, k, v, a, b, on, state: delta_rule_kernels.decode_step(
+        q, k, v, a, b, a_log, dt_bias, on, state), start.clone(), [q, k, v, a, b])
+    results[f"{name} verify steps"] = {
+        "out_equal": bool(torch.equal(out, want)), "state_equal": bool(torch.equal(ours, kept[-1])),
+        "history_equal": bool(torch.equal(history[:substeps - 1], kept[:-1])),
+        "history_rest_untouched": bool(history[substeps - 1].isnan().all()),
+        "state_moved": bool(not torch.equal(ours, start))}
+    for label, taps, dilation in (("gdn conv", 4, 1), ("ple conv", 4, 3)):
+        channels = 40
+        kept_inputs = torch.randn(n, channels, (taps - 1) * dilation, generator=gen).to(dtype)
+        x = torch.randn(substeps * n, 2 * channels, generator=gen).to(dtype)[:, :channels]
+        weight = torch.randn(channels, 1, taps, generator=gen).to(dtype)
+        ours, history = kept_inputs.clone(), torch.full((substeps, *kept_inputs.shape), float("nan")).to(dtype)
+        out = conv_kernels.conv_substeps(ours, history, x, weight, dilation, flags.flatten(), substeps)
+        want, kept = stepped_through(lambda x, on, state: conv_kernels.conv_step(state, x, weight, dilation, on),
+                                     kept_inputs.clone(), [x])
+        results[f"{name} {label} verify steps"] = {
+            "out_equal": bool(torch.equal(out, want)), "state_equal": bool(torch.equal(ours, kept[-1])),
+            "history_equal": bool(torch.equal(history[:substeps - 1], kept[:-1])),
+            "history_rest_untouched": bool(history[substeps - 1].isnan().all()),
+            "state_moved": bool(not torch.equal(ours, kept_inputs))}
 print(json.dumps(results))
 """
 
@@ -179,6 +221,17 @@ def test_a_short_prompt_chunk_runs_as_its_decode_steps(results, dtype):
     assert r["out_err"] <= 1e-4 * r["out_scale"] + (1e-2 * r["out_scale"] if dtype == "bfloat16" else 0), r
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kernel", ["verify steps", "gdn conv verify steps", "ple conv verify steps"])
+def test_a_verify_steps_kernel_runs_as_its_decode_steps(results, dtype, kernel):
+    """A verify step's sub-steps in one launch (the delta rule, the causal convs) give every output, the final state
+    and the state after each sub-step but the last (its history) of the decode step run sub-step after sub-step,
+    bit for bit, with rows idle in some sub-steps; the history past the step's sub-steps is not written."""
+    r = results[f"{dtype} {kernel}"]
+    assert r["state_moved"], r
+    assert r["out_equal"] and r["state_equal"] and r["history_equal"] and r["history_rest_untouched"], r
+
+
 @pytest.mark.gpu
 def test_a_short_prompt_chunk_runs_as_its_decode_steps_on_gpu():
     """The shipped model's Gated DeltaNet shapes in bfloat16 on the GPU: chunk_tokens gives the decode steps' outputs
@@ -215,3 +268,53 @@ def test_a_short_prompt_chunk_runs_as_its_decode_steps_on_gpu():
         scale = want.float().abs().max().item()
         assert (out.float() - want.float()).abs().max().item() <= 2e-2 * scale
         assert (chunked - fla_state).abs().max().item() <= 2e-2 * fla_state.abs().max().item()
+
+
+@pytest.mark.gpu
+def test_a_verify_step_in_one_launch_runs_as_its_decode_steps_on_gpu():
+    """The shipped model's Gated DeltaNet and PLE shapes in bfloat16 on the GPU, 4 state rows, 4 sub-steps (a row
+    idle in some of them): verify_steps and conv_substeps give the decode steps' outputs, final state and the state
+    after each sub-step bit for bit, as the verify step's exactness (MTP on == off) needs."""
+    import torch
+    from qwen4exp.kernels import conv as conv_kernels
+    from qwen4exp.kernels import delta_rule as delta_rule_kernels
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA/ROCm device")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    hk, hv, dk, dv, rows, substeps = 16, 48, 128, 128, 4, 4
+    flags = torch.rand(substeps, rows, generator=gen, device="cuda") < 0.8
+    flags[0] = True
+    conv_out = torch.randn(substeps * rows, 2 * hk * dk + hv * dv, generator=gen, device="cuda").bfloat16()
+    q, k, v = torch.split(conv_out, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.unflatten(-1, (hk, dk)), k.unflatten(-1, (hk, dk)), v.unflatten(-1, (hv, dv))
+    gate_rows = torch.randn(substeps * rows, 2 * hv, generator=gen, device="cuda").bfloat16()
+    a, b = gate_rows[:, :hv], gate_rows[:, hv:]
+    a_log = torch.randn(hv, generator=gen, device="cuda").bfloat16()
+    dt_bias = torch.rand(hv, generator=gen, device="cuda").bfloat16()
+
+    def stepped_through(step, state, inputs):
+        outs, kept = [], []
+        for j in range(substeps):
+            outs.append(step(*(x[j * rows:(j + 1) * rows] for x in inputs), flags[j], state))
+            kept.append(state.clone())
+        return torch.cat(outs), torch.stack(kept)
+
+    start = torch.randn(rows, hv, dk, dv, generator=gen, device="cuda") * 0.1
+    with torch.inference_mode():
+        ours, history = start.clone(), torch.empty(substeps - 1, *start.shape, device="cuda")
+        out = delta_rule_kernels.verify_steps(q, k, v, a, b, a_log, dt_bias, flags.flatten(), ours, history,
+                                              substeps)
+        want, kept = stepped_through(lambda q, k, v, a, b, on, state: delta_rule_kernels.decode_step(
+            q, k, v, a, b, a_log, dt_bias, on, state), start.clone(), [q, k, v, a, b])
+    assert torch.equal(out, want) and torch.equal(ours, kept[-1]) and torch.equal(history, kept[:-1])
+    for channels, taps, dilation in ((2 * hk * dk + hv * dv, 4, 1), (4 * 2560, 4, 3)):
+        inputs = torch.randn(rows, channels, (taps - 1) * dilation, generator=gen, device="cuda").bfloat16()
+        x = torch.randn(substeps * rows, channels + 64, generator=gen, device="cuda").bfloat16()[:, :channels]
+        weight = torch.randn(channels, 1, taps, generator=gen, device="cuda").bfloat16()
+        with torch.inference_mode():
+            ours, history = inputs.clone(), torch.empty(substeps - 1, *inputs.shape, device="cuda").bfloat16()
+            out = conv_kernels.conv_substeps(ours, history, x, weight, dilation, flags.flatten(), substeps)
+            want, kept = stepped_through(lambda x, on, state: conv_kernels.conv_step(state, x, weight, dilation, on),
+                                         inputs.clone(), [x])
+        assert torch.equal(out, want) and torch.equal(ours, kept[-1]) and torch.equal(history, kept[:-1]), channels

@@ -202,6 +202,11 @@ class StateBatch:
         """Keep a carried tensor's value after sub-step `substep` of a verify step."""
         self._history[id(tensor)][substep].copy_(tensor)
 
+    def history(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A carried tensor's history [positions, *tensor.shape], for an op that keeps the sub-steps' values itself
+        (a kernel that runs every sub-step of a verify step in one launch)."""
+        return self._history[id(tensor)]
+
     def commit(self, last: torch.Tensor, substeps: int) -> None:
         """After a verify step of `substeps` sub-steps: each row's carried state becomes the one it had after its
         sub-step last[row] (a device tensor [N]; substeps - 1: as the step left it). No host synchronisation."""

@@ -65,6 +65,43 @@ if triton is not None:
         if tl.load(active_ptr + row) != 0:
             tl.store(state_row + taps[None, :], shifted, mask=c_ok[:, None] & (taps[None, :] < L))
 
+    @triton.jit(do_not_specialize=["rows", "substeps"])     # one binary for every verify step's shape
+    def _conv_substeps_kernel(state_ptr, history_ptr, x_ptr, x_row_stride, weight_ptr, active_ptr, out_ptr, channels,
+                              rows, substeps, L: tl.constexpr, K: tl.constexpr, DILATION: tl.constexpr,
+                              INTERPRETED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_L: tl.constexpr):
+        """A verify step's `substeps` inputs of one state row (sub-step j's at row j * rows + row), each sub-step
+        _conv_step_kernel's work on the kept inputs the one before left in place; the kept inputs after every
+        sub-step but the last go to history[j]."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = c < channels
+        taps = tl.arange(0, BLOCK_L)
+        in_state = c_ok[:, None] & (taps[None, :] < L)
+        state_at = row * channels * L + c[:, None] * L + taps[None, :]
+        plane = rows.to(tl.int64) * channels * L
+        on_tap = (taps % DILATION == 0) & (taps <= L)
+        w = tl.load(weight_ptr + c[:, None] * K + taps[None, :] // DILATION,
+                    mask=c_ok[:, None] & on_tap[None, :], other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        for j in range(substeps):
+            r = j * rows + row
+            newest = tl.load(x_ptr + r * x_row_stride + c, mask=c_ok, other=0.0)
+            kept = tl.load(state_ptr + state_at, mask=in_state, other=0.0)
+            ahead = tl.load(state_ptr + state_at + 1, mask=c_ok[:, None] & (taps[None, :] + 1 < L), other=0.0)
+            window = tl.where(taps[None, :] < L, kept, newest[:, None]).to(tl.float32)
+            conv = rounded(tl.sum(window * w, axis=1), dtype, INTERPRETED)
+            tl.store(out_ptr + r * channels + c, round_to(conv / (1.0 + tl.exp(-conv)), dtype, INTERPRETED),
+                     mask=c_ok)
+            active = tl.load(active_ptr + r) != 0
+            if active:
+                kept = tl.where(taps[None, :] + 1 < L, ahead, newest[:, None])
+            tl.debug_barrier()     # every thread's reads of the kept inputs are done before they are overwritten
+            if active:             # an idle row's inputs are not written: it may be a prompt prefilled beside us
+                tl.store(state_ptr + state_at, kept, mask=in_state)
+            if j < substeps - 1:
+                tl.store(history_ptr + j * plane + state_at, kept, mask=in_state)
+            tl.debug_barrier()     # and the next sub-step reads what this one stored
+
 
 def conv_step(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dilation: int,
                      active: torch.Tensor) -> torch.Tensor:
@@ -78,6 +115,27 @@ def conv_step(state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dilati
     _conv_step_kernel[grid](state, x, x.stride(0), weight, active.to(torch.uint8), out, channels, L=kept, K=taps,
                             DILATION=dilation, INTERPRETED=interpreted(x), BLOCK_C=BLOCK_C,
                             BLOCK_L=triton.next_power_of_2(kept + 1), num_warps=4)
+    return out
+
+
+def conv_substeps(state: torch.Tensor, history: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dilation: int,
+                  active: torch.Tensor, substeps: int) -> torch.Tensor:
+    """A verify step's `substeps` conv steps in one launch: x [substeps * N, C] position-major (sub-step j's rows
+    [j*N, (j+1)*N)), active [substeps * N]; each row's output is what `conv_step` gives it, sub-step after sub-step,
+    and history [>= substeps - 1, N, C, kept] gets the kept inputs after each sub-step but the last."""
+    rows, channels, kept = state.shape
+    taps = weight.shape[-1]
+    if kept != (taps - 1) * dilation or not state.is_contiguous() or x.stride(1) != 1:
+        raise ValueError(f"conv state {tuple(state.shape)} does not fit a {taps}-tap kernel at dilation {dilation}")
+    if x.shape[0] != rows * substeps or history.shape[0] < substeps - 1 or history.shape[1:] != state.shape \
+            or not history.is_contiguous():
+        raise ValueError(f"a verify step of {substeps} sub-steps over {x.shape[0]} rows does not fit a conv state "
+                         f"of {tuple(state.shape)} and a history of {tuple(history.shape)}")
+    out = torch.empty(x.shape[0], channels, device=x.device, dtype=x.dtype)
+    grid = (rows, triton.cdiv(channels, BLOCK_C))
+    _conv_substeps_kernel[grid](state, history, x, x.stride(0), weight, active.to(torch.uint8), out, channels, rows,
+                                substeps, L=kept, K=taps, DILATION=dilation, INTERPRETED=interpreted(x),
+                                BLOCK_C=BLOCK_C, BLOCK_L=triton.next_power_of_2(kept + 1), num_warps=4)
     return out
 
 

@@ -87,6 +87,44 @@ if triton is not None:
                      scale, DK, INTERPRETED)
         tl.store(s_ptrs, s)
 
+    @triton.jit(do_not_specialize=["rows", "substeps"])     # one binary for every verify step's shape
+    def _substeps_kernel(q_ptr, k_ptr, v_ptr, qkv_row_stride, a_ptr, b_ptr, gate_row_stride, a_log_ptr, dt_bias_ptr,
+                         active_ptr, state_ptr, history_ptr, out_ptr, rows, substeps, scale: tl.constexpr,
+                         K_HEADS: tl.constexpr, V_HEADS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         INTERPRETED: tl.constexpr, BLOCK_V: tl.constexpr):
+        """Grid (state rows, value heads, DV / BLOCK_V): a verify step's `substeps` tokens of each state row in
+        order (sub-step j's inputs at row j * rows + row), each as _step_kernel computes it, the state block held
+        in registers in between (float32, as _step_kernel stores and reloads it) and kept in history[j] after
+        every sub-step but the last."""
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        block = tl.program_id(2)
+        cols = block * BLOCK_V + tl.arange(0, BLOCK_V)
+        dk = tl.arange(0, DK)
+        k_head = head // (V_HEADS // K_HEADS)
+        offsets = ((row * V_HEADS + head) * DK + dk[:, None]).to(tl.int64) * DV + cols[None, :]
+        plane = rows.to(tl.int64) * (V_HEADS * DK * DV)
+        s = tl.load(state_ptr + offsets)
+        advanced = 0
+        for j in range(substeps):
+            r = j * rows + row
+            out_row = out_ptr + (r * V_HEADS + head) * DV
+            if tl.load(active_ptr + r) != 0:
+                advanced += 1
+                qkv_row = r * qkv_row_stride
+                s = _advance(s, q_ptr + qkv_row + k_head * DK, k_ptr + qkv_row + k_head * DK,
+                             v_ptr + qkv_row + head * DV, a_ptr + r * gate_row_stride + head,
+                             b_ptr + r * gate_row_stride + head, a_log_ptr, dt_bias_ptr, out_row, head, cols,
+                             scale, DK, INTERPRETED)
+            else:                                      # idle in this sub-step: the state stays, the output is zeros
+                tl.store(out_row + cols, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty))
+            if j < substeps - 1:
+                tl.store(history_ptr + j * plane + offsets, s)
+        # A row idle in every sub-step is not written (as _step_kernel leaves it): it may be another slot's prompt,
+        # prefilled beside this step.
+        if advanced > 0:
+            tl.store(state_ptr + offsets, s)
+
     @triton.jit(do_not_specialize=["tokens"])   # one binary for every chunk length (engine/warm_up.py)
     def _tokens_kernel(q_ptr, k_ptr, v_ptr, qkv_row_stride, a_ptr, b_ptr, gate_row_stride, a_log_ptr,
                        dt_bias_ptr, state_ptr, out_ptr, tokens, scale: tl.constexpr, K_HEADS: tl.constexpr,
@@ -146,6 +184,31 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
         q, k, v, q.stride(0), a, b, a.stride(0), a_log, dt_bias, active.to(torch.uint8), state, out,
         dk ** -0.5, K_HEADS=k_heads, V_HEADS=v_heads, DK=dk, DV=dv, INTERPRETED=interpreted(v), BLOCK_V=block_v,
         num_warps=4)
+    return out
+
+
+def verify_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 a_log: torch.Tensor, dt_bias: torch.Tensor, active: torch.Tensor, state: torch.Tensor,
+                 history: torch.Tensor, substeps: int) -> torch.Tensor:
+    """A verify step's `substeps` decode steps in one launch: inputs as `decode_step` takes them over substeps * N
+    rows, position-major (sub-step j's rows [j*N, (j+1)*N), row j*N + i of state row i), active [substeps * N],
+    state [N, Hv, dk, dv] float32 (advanced in place through every sub-step), history [>= substeps - 1, N, Hv, dk,
+    dv] (the state after each sub-step but the last). Each row's output is what `decode_step` gives it, sub-step
+    after sub-step; the state is read once and written once, where plain steps would read and write it per
+    sub-step and copy it to the history."""
+    total, k_heads, dk = q.shape
+    rows = total // substeps
+    v_heads, dv = v.shape[1], v.shape[2]
+    a, b, block_v = _shapes(q, k, v, a, b, state)
+    if rows * substeps != total or state.shape[0] != rows or history.shape[0] < substeps - 1 \
+            or history.shape[1:] != state.shape or not history.is_contiguous():
+        raise ValueError(f"a verify step of {substeps} sub-steps over {total} rows does not fit a state of "
+                         f"{tuple(state.shape)} and a history of {tuple(history.shape)}")
+    out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    _substeps_kernel[(rows, v_heads, dv // block_v)](
+        q, k, v, q.stride(0), a, b, a.stride(0), a_log, dt_bias, active.to(torch.uint8), state, history, out, rows,
+        substeps, dk ** -0.5, K_HEADS=k_heads, V_HEADS=v_heads, DK=dk, DV=dv, INTERPRETED=interpreted(v),
+        BLOCK_V=block_v, num_warps=4)
     return out
 
 

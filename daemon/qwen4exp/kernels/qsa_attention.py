@@ -47,12 +47,14 @@ def fits(head_dim: int, heads: int, kv_heads: int, index_dim: int, index_heads: 
 if triton is not None:
     from .rounding import round_to
 
-    @triton.jit(do_not_specialize=["rows", "n_blocks"])   # they follow the prompt's length: one binary for all
-    def _rank_kernel(q_ptr, keys_ptr, complete_ptr, out_ptr, rows, n_blocks, keys_row_stride, sqrt_dim: tl.constexpr,
-                     HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, DIM: tl.constexpr, QUERIES: tl.constexpr,
-                     BLOCK_B: tl.constexpr, INTERPRETED: tl.constexpr):
+    # rows and n_blocks follow the prompt's length, key_rows a decode step's slots: one binary for all
+    @triton.jit(do_not_specialize=["rows", "n_blocks", "key_rows"])
+    def _rank_kernel(q_ptr, keys_ptr, complete_ptr, out_ptr, rows, n_blocks, keys_row_stride, key_rows,
+                     sqrt_dim: tl.constexpr, HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, DIM: tl.constexpr,
+                     QUERIES: tl.constexpr, BLOCK_B: tl.constexpr, INTERPRETED: tl.constexpr):
         """QUERIES query rows x BLOCK_B blocks. With one query per program each row may have its own block
-        keys (keys_row_stride); the product's M is then the query's heads, padded."""
+        keys (keys_row_stride; row r's are those of r mod key_rows); the product's M is then the query's heads,
+        padded."""
         first_row = tl.program_id(0) * QUERIES
         blocks = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
         query = first_row + tl.arange(0, QUERIES)
@@ -65,7 +67,7 @@ if triton is not None:
             d = tl.arange(0, DIM)
             q = tl.load(q_ptr + (m_row.to(tl.int64) * HEADS + m_head)[:, None] * DIM + d[None, :],
                         mask=((m_row < rows) & (m_head < HEADS))[:, None], other=0.0)
-            k_base = keys_ptr + first_row.to(tl.int64) * keys_row_stride
+            k_base = keys_ptr + (first_row % key_rows).to(tl.int64) * keys_row_stride
             k = tl.load(k_base + blocks.to(tl.int64)[:, None] * DIM + d[None, :],
                         mask=(blocks < n_blocks)[:, None], other=0.0)
             if INTERPRETED:                      # the interpreter's dot takes no bfloat16
@@ -77,12 +79,13 @@ if triton is not None:
         tl.store(out_ptr + query.to(tl.int64)[:, None] * n_blocks + blocks[None, :], keys,
                  mask=(query < rows)[:, None] & (blocks < n_blocks)[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["kv_rows"])
     def _attend_kernel(q_ptr, k_ptr, v_ptr, index_ptr, valid_ptr, out_ptr, part_ptr, stats_ptr, tokens,
-                       per_split, kv_row_stride, kv_head_stride, scale: tl.constexpr, HEADS: tl.constexpr,
+                       per_split, kv_row_stride, kv_head_stride, kv_rows, scale: tl.constexpr, HEADS: tl.constexpr,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
                        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, INTERPRETED: tl.constexpr):
-        """One (query row, K/V head, list part): the group's query heads over the part's listed tokens."""
+        """One (query row, K/V head, list part): the group's query heads over the part's listed tokens (row r's
+        K/V: those of r mod kv_rows, where each row has its own)."""
         row, kv_head, part = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
         heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
         in_group = tl.arange(0, GROUP_PAD) < GROUP
@@ -91,8 +94,9 @@ if triton is not None:
         dtype = q.dtype
         if INTERPRETED:
             q = q.to(tl.float32)
-        k_base = k_ptr + row * kv_row_stride + kv_head * kv_head_stride
-        v_base = v_ptr + row * kv_row_stride + kv_head * kv_head_stride
+        kv_row = row % kv_rows
+        k_base = k_ptr + kv_row * kv_row_stride + kv_head * kv_head_stride
+        v_base = v_ptr + kv_row * kv_row_stride + kv_head * kv_head_stride
         best = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         total = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, DIM), tl.float32)
@@ -148,7 +152,8 @@ if triton is not None:
 
 def rank_blocks(q: torch.Tensor, block_keys: torch.Tensor, complete: torch.Tensor) -> torch.Tensor:
     """Top-k keys int64 [rows, n_blocks] for queries q [rows, heads, dim] over block keys [n_blocks, dim]
-    (one sequence) or [rows, n_blocks, dim] (a row each); complete [rows]: the blocks each query sees."""
+    (one sequence) or [N, n_blocks, dim] (a row each: row r's are r mod N's, so a verify step's sub-steps, rows
+    position-major, share their state row's); complete [rows]: the blocks each query sees."""
     rows, heads, dim = q.shape
     per_row = block_keys.dim() == 3
     n_blocks = block_keys.shape[-2]
@@ -156,6 +161,8 @@ def rank_blocks(q: torch.Tensor, block_keys: torch.Tensor, complete: torch.Tenso
         raise ValueError(f"indexer head dim {dim}: the kernel needs a power of two >= 16")
     block_keys = block_keys if block_keys.stride(-1) == 1 and block_keys.stride(-2) == dim \
         else block_keys.contiguous()
+    if per_row and rows % block_keys.shape[0]:
+        raise ValueError(f"rank_blocks: {rows} query rows do not share {block_keys.shape[0]} rows of block keys")
     out = torch.empty(rows, n_blocks, dtype=torch.int64, device=q.device)
     if rows == 0 or n_blocks == 0:
         return out
@@ -165,15 +172,17 @@ def rank_blocks(q: torch.Tensor, block_keys: torch.Tensor, complete: torch.Tenso
         heads_pad = 16 // queries
     grid = (triton.cdiv(rows, queries), triton.cdiv(n_blocks, RANK_BLOCKS))
     _rank_kernel[grid](q.contiguous(), block_keys, complete.to(torch.int32).contiguous(), out, rows, n_blocks,
-                       block_keys.stride(0) if per_row else 0, math.sqrt(dim), HEADS=heads, HEADS_PAD=heads_pad,
+                       block_keys.stride(0) if per_row else 0, block_keys.shape[0] if per_row else 1,
+                       math.sqrt(dim), HEADS=heads, HEADS_PAD=heads_pad,
                        DIM=dim, QUERIES=queries, BLOCK_B=RANK_BLOCKS, INTERPRETED=interpreted(q), num_warps=4)
     return out
 
 
 def sparse_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor,
                      valid: torch.Tensor, scale: float, splits: int = 1) -> torch.Tensor:
-    """q [rows, heads, dim]; keys/values [kv_heads, T, dim] (one sequence) or [rows, kv_heads, T, dim] (a row
-    each); index/valid [rows, S]: the tokens each row attends to. Returns [rows, heads, dim] in q's dtype."""
+    """q [rows, heads, dim]; keys/values [kv_heads, T, dim] (one sequence) or [N, kv_heads, T, dim] (a row each:
+    row r's are r mod N's, as in rank_blocks); index/valid [rows, S]: the tokens each row attends to. Returns
+    [rows, heads, dim] in q's dtype."""
     rows, heads, dim = q.shape
     per_row = keys.dim() == 4
     kv_heads = keys.shape[-3]
@@ -182,6 +191,8 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                          f"heads a multiple of {kv_heads} K/V heads")
     if keys.stride() != values.stride() or keys.stride(-1) != 1 or keys.stride(-2) != dim:
         raise ValueError("sparse attention: keys and values need one layout with rows of head dim")
+    if per_row and rows % keys.shape[0]:
+        raise ValueError(f"sparse attention: {rows} query rows do not share {keys.shape[0]} rows of K/V")
     tokens = index.shape[1]
     q = q.contiguous()
     out = torch.empty_like(q)
@@ -198,7 +209,8 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         stats = torch.empty(rows * heads * splits, 2, dtype=torch.float32, device=q.device)
     _attend_kernel[(rows, kv_heads, splits)](
         q, keys, values, index.to(torch.int32).contiguous(), valid.to(torch.bool).contiguous(), out, part,
-        stats, tokens, per_split, keys.stride(0) if per_row else 0, keys.stride(-3), scale, HEADS=heads,
+        stats, tokens, per_split, keys.stride(0) if per_row else 0, keys.stride(-3), keys.shape[0] if per_row else 1,
+        scale, HEADS=heads,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK_N=ATTEND_TOKENS,
         SPLITS=splits, INTERPRETED=interpreted(q), num_warps=ATTEND_WARPS)
     if splits > 1:

@@ -3,9 +3,10 @@
 The model is built on the meta device (no memory) under guard.compiling_for(target): it picks the Triton ops,
 and every choice a kernel makes from its device's limits (pipeline stages) reads the target's. Then it runs the
 shapes the engine runs: prompt chunks (whole chunks of 512-4096 tokens, a prompt's last chunk of any length;
-at the start of a prompt, where QSA is still dense, and past the indexer's dense reach) and decode steps of
-1-16 rows; ahead_of_time.build compiles what was recorded. tests/test_kernel_builds.py runs this for the
-bench and full presets and each of guard.CHECKED_TARGETS; `qwen4exp kernels` prints it for one target.
+at the start of a prompt, where QSA is still dense, and past the indexer's dense reach), decode steps of 1-16 rows
+and, for a model with an MTP head, the verify steps of speculative decoding; ahead_of_time.build compiles what
+was recorded. tests/test_kernel_builds.py runs this for the bench and full presets and each of
+guard.CHECKED_TARGETS; `qwen4exp kernels` prints it for one target.
 """
 
 from __future__ import annotations
@@ -99,14 +100,28 @@ def record(config: ModelConfig, target: guard.Target, chunks=CHUNKS, decode_rows
             model.decode_rows(ids, ids, torch.ones(rows, dtype=torch.bool, device=device), states, rope)
         if model.mtp is not None:
             _record_drafter(model, chunks, decode_rows, capacity, device, rope)
+            _record_verify(model, decode_rows, capacity, device, rope)
     return ahead_of_time.distinct(launches)
+
+
+def _record_verify(model: Qwen4ExpForCausalLM, decode_rows, capacity: int, device: torch.device, rope) -> None:
+    """A verify step's launches (speculative decoding, model/verify.py), the MTP head's pass over its positions
+    included: the positions go through the row-wise kernels together and through the per-phase ops' kernels that
+    take every sub-step in one launch. Two sub-steps a row: no kernel specializes on their count."""
+    for rows in decode_rows:
+        states = model.new_state_batch(rows, capacity, device)
+        states.allocate_history(1)
+        ids = torch.zeros(2 * rows, dtype=torch.long, device=device)
+        on = torch.ones(2 * rows, dtype=torch.bool, device=device)
+        _, streams = model.verify_rows(ids, ids, on, states, rope, 2)
+        model.draft_rows(streams, ids, ids, on, states, rope, 2)
 
 
 def _record_drafter(model: Qwen4ExpForCausalLM, chunks, decode_rows, capacity: int, device: torch.device,
                     rope) -> None:
     """The MTP head's launches: over a prompt's chunks (its cache filled as drafting reads it) and over each decode
-    step's rows (a draft; a verify step, its positions one by one, is decode steps). Its layer may take kernels the
-    main layers do not: a GGUF's quantized experts beside the dense ones of a head from a safetensors release."""
+    step's rows (a draft). Its layer may take kernels the main layers do not: a GGUF's quantized experts beside the
+    dense ones of a head from a safetensors release."""
     width = model.config.hc_count * model.config.hidden_size
     for chunk in chunks:
         state = model.new_state(capacity, device)

@@ -9,8 +9,8 @@ Two kinds of op:
 - row-wise (`linear`, `shared_linear`, the norms, `rotate`, the hyper-connection's `update_and_norm` and
   `mix_streams`, `route`, `experts`, `table_rows`): a row's result depends on that row alone; `step` is passed
   where a decode step's few rows take other kernels than a chunk's many;
-- per phase (`causal_conv`, `delta_rule`, `ngram_embedding`, `qsa_attention`): what a prompt chunk of one
-  sequence and a decode step over N rows do differently with the state.
+- per phase (`causal_conv`, `delta_rule`, `ngram_embedding`, `complete_blocks`, `qsa_attention`): what a prompt
+  chunk of one sequence and a decode step over N rows do differently with the state.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ class TorchOps:
     # fixed count): then a verify step runs its positions' row-wise ops together (verify.py), else sub-step by
     # sub-step, each a plain decode step.
     rows_independent = _simd_free()
+    # The per-phase ops that take a whole verify step themselves (its sub-steps one after another, the carried state
+    # after each kept in the state batch's history); verify.py runs the others sub-step by sub-step.
+    whole_verify_ops: frozenset[str] = frozenset()
 
     # ---- row-wise --------------------------------------------------------------------------------------
     def _product(self, step):
@@ -157,6 +160,11 @@ class TorchOps:
     def table_rows(self, table: nn.Module, rows: torch.Tensor) -> torch.Tensor:
         """Rows of an embedding table (an nn.Embedding, or a QuantizedStack dequantizing the rows it reads)."""
         return table(rows)
+
+    def complete_blocks(self, indexer: qsa.Indexer, step, state) -> None:
+        """decode: the indexer key of the block each active row's token completes (if it does) into the state's
+        block keys, its raw keys stored."""
+        indexer.complete_blocks(step, state)
 
     def qsa_attention(self, attn: qsa.QSAAttention, q: torch.Tensor, index_q: torch.Tensor, step,
                       state) -> torch.Tensor:

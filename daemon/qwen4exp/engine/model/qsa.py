@@ -81,7 +81,7 @@ class Indexer(nn.Module):
             self._store_chunk(raw_keys, step, state)
         return ops.rotate(ops.rms_norm(q.reshape(n, self.heads, self.dim), self.q_layernorm), step.cos, step.sin)
 
-    def _pool(self, raw: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step) -> torch.Tensor:
+    def pool(self, raw: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step) -> torch.Tensor:
         """Blocks of raw keys [B, ratio, dim] -> their keys [B, dim], rotated by `rope` (cos, sin at each block's
         first position)."""
         pooled = step.ops.rms_norm(raw.float().mean(dim=1).to(raw.dtype), self.k_layernorm)
@@ -98,18 +98,22 @@ class Indexer(nn.Module):
                 block_starts = torch.arange(first, last, device=raw.device) * self.ratio
                 return step.cos_table[block_starts], step.sin_table[block_starts]
             rope = step.shared(("completed blocks' rope", self.ratio), block_rope)
-            state.block_keys[first:last] = self._pool(raw, rope, step)
+            state.block_keys[first:last] = self.pool(raw, rope, step)
 
     def _store_rows(self, raw_keys: torch.Tensor, step, state: AttentionState) -> None:
-        """Each row's key at its position (idle rows write past their length: never read), then, sub-step by
-        sub-step (a verify step's later positions may complete a block an earlier one reads), the block each
-        active row completes, if it does: fixed shapes."""
+        """Each row's key at its position (idle rows write past their length: never read), then the key of the
+        block each active row completes, if it does (the backend's `complete_blocks`): fixed shapes."""
         state.index_keys[step.state_rows, step.positions] = raw_keys
+        step.ops.complete_blocks(self, step, state)
+
+    def complete_blocks(self, step, state: AttentionState) -> None:
+        """The torch form of the backend's `complete_blocks`: sub-step by sub-step (in a verify step two sub-steps
+        of one row may write one block: the one completing it and another writing back the key it read)."""
         for view in step.substep_views():
             rows, block, columns, finished, rope = view.shared(("indexer blocks", self.ratio),
                                                                lambda: self._completed_blocks(view))
             raw = state.index_keys[rows[:, None], columns]
-            state.block_keys[rows, block] = torch.where(finished, self._pool(raw, rope, view),
+            state.block_keys[rows, block] = torch.where(finished, self.pool(raw, rope, view),
                                                         state.block_keys[rows, block])
 
     def _completed_blocks(self, step) -> tuple[torch.Tensor, ...]:

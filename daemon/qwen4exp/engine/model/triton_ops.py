@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from ...kernels import conv as conv_kernels
 from ...kernels import delta_rule as delta_rule_kernels
 from ...kernels import gate_product as gate_product_kernels
-from ...kernels import block_products, gated_norm, hyper, moe, qsa_attention, qsa_select, quant_tiles
+from ...kernels import block_keys, block_products, gated_norm, hyper, moe, qsa_attention, qsa_select, quant_tiles
 from ...kernels import ngram_rows, rope, router
 from ...kernels import row_products
 from .. import hot_experts
-from . import conv, delta_rule, qsa
+from . import conv, delta_rule, qsa, verify
 from .ops import TorchOps
 from .quantized import QuantizedStack
 
@@ -33,6 +33,8 @@ class TritonOps(TorchOps):
     # steps compute them (`_as_plain_steps`): its positions get plain steps' numbers, and a plain step runs as it
     # does without speculative decoding.
     rows_independent = True
+    # The per-phase ops whose kernels run a verify step's sub-steps in one launch, keeping the state after each.
+    whole_verify_ops = frozenset({"causal_conv", "delta_rule", "qsa_attention"})
 
     def linear(self, x, weight, step):
         if step.decode and step.substeps > 1:
@@ -119,6 +121,9 @@ class TritonOps(TorchOps):
         return super().table_rows(table, rows)
 
     def causal_conv(self, x, weight, dilation, kept, step):
+        if step.decode and step.substeps > 1:
+            return conv_kernels.conv_substeps(kept, step.state.history(kept), x, weight, dilation, step.flags,
+                                              step.substeps)
         if step.decode:
             return conv_kernels.conv_step(kept, x, weight, dilation, step.flags)
         out = conv_kernels.conv_chunk(kept, x, weight, dilation)
@@ -126,6 +131,9 @@ class TritonOps(TorchOps):
         return out
 
     def delta_rule(self, q, k, v, a, b, a_log, dt_bias, recurrent, step):
+        if step.decode and step.substeps > 1:
+            return delta_rule_kernels.verify_steps(q, k, v, a, b, a_log, dt_bias, step.flags, recurrent,
+                                                   step.state.history(recurrent), step.substeps)
         if step.decode:
             return delta_rule_kernels.decode_step(q, k, v, a, b, a_log, dt_bias, step.flags, recurrent)
         if delta_rule_kernels.runs_token_loop(q.shape[0]):
@@ -135,10 +143,29 @@ class TritonOps(TorchOps):
         g, beta = delta_rule.gates(a, b, a_log, dt_bias)
         return delta_rule_kernels.fla_chunk(q, k, v, g, beta, recurrent)
 
+    def complete_blocks(self, indexer, step, state):
+        # Every row at once, a verify step's sub-steps too: a row's mean is of its own raw keys, and only the rows
+        # that complete a block write it (kernels/block_keys.py); the norm and the rotation are row-wise kernels.
+        if not block_keys.fits(indexer.dim, indexer.ratio):
+            return super().complete_blocks(indexer, step, state)
+        ratio = indexer.ratio
+
+        def block_rope():      # the same in every QSA layer of the step: made once
+            starts = ((step.positions + 1) // ratio - 1).clamp_min(0) * ratio
+            return step.cos_table[starts], step.sin_table[starts]
+        means = block_keys.block_means(state.index_keys, step.state_rows, step.positions, ratio)
+        pooled = self.rotate(self.rms_norm(means, indexer.k_layernorm), *step.shared(("block rope", ratio), block_rope))
+        block_keys.store_finished(state.block_keys, step.state_rows, step.positions, step.flags, pooled, ratio)
+
     def qsa_attention(self, attn, q, index_q, step, state):
         indexer = attn.indexer
         if not qsa_attention.fits(attn.head_dim, attn.heads, attn.kv_heads, indexer.dim, indexer.heads):
-            return super().qsa_attention(attn, q, index_q, step, state)
+            torch_form = functools.partial(TorchOps.qsa_attention, self, attn, state=state)
+            if step.decode and step.substeps > 1:      # the torch form takes a verify step's sub-steps one by one
+                return verify.each_substep(step, lambda view, q, index_q: torch_form(q, index_q, view), [q, index_q])
+            return torch_form(q, index_q, step)
+        # A decode step's rows read the batched state (a verify step's sub-steps, rows position-major: row r's
+        # state row is r mod N), each through its own index list: all of a verify step's sub-steps in one launch.
         scale = attn.head_dim ** -0.5
         if step.decode:
             complete = step.shared(("complete blocks", indexer.ratio), lambda: (step.positions + 1) // indexer.ratio)
@@ -204,6 +231,7 @@ def with_torch_forms(ops: frozenset[str]) -> TritonOps:
     # Chunks share the experts' launch only over the grouped kernels, whose rows are independent.
     for op in ops | ({"chunks_experts"} if "experts" in ops else set()):
         setattr(backend, op, types.MethodType(getattr(TorchOps, op), backend))
+    backend.whole_verify_ops = TritonOps.whole_verify_ops - ops
     return backend
 
 
