@@ -7,7 +7,8 @@ them without a cycle)."""
 MAX_SLOTS = 16
 MAX_DRAFTS = 7        # most drafted tokens per slot and step (speculative.py)
 # What `mtp = "auto"` drafts where a step's positions verify together off a CPU (a GPU): none until drafting measures
-# faster than plain decoding on the full model at a trained head's acceptance. On its first 24 layers (UD-Q4_K_XL, an
-# H100) drafts right at 0.72 gained 7-15% with one slot and lost 2-6% with four; the 48 layers are not measured yet
+# faster than plain decoding on the full model at a trained head's acceptance, with plain decoding's answers, at one
+# slot and several. On the 48 layers (UD-Q4_K_XL, an H200) drafts right at 0.72 gained 36-50% with one slot; with four
+# the drafting engine's answers differed from plain decoding's in the one run made, cause not isolated
 # (docs/PERFORMANCE.md). A number in the profile drafts anyway.
 AUTO_DRAFTS = 0
