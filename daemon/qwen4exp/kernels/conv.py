@@ -96,7 +96,7 @@ if triton is not None:
             if active:
                 kept = tl.where(taps[None, :] + 1 < L, ahead, newest[:, None])
             tl.debug_barrier()     # every thread's reads of the kept inputs are done before they are overwritten
-            if active:             # an idle row's inputs are not written: it may be a prompt prefilled beside us
+            if active:             # an idle row is not written, as _conv_step_kernel leaves it
                 tl.store(state_ptr + state_at, kept, mask=in_state)
             if j < substeps - 1:
                 tl.store(history_ptr + j * plane + state_at, kept, mask=in_state)

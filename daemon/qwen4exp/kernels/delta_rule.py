@@ -120,8 +120,7 @@ if triton is not None:
                 tl.store(out_row + cols, tl.zeros([BLOCK_V], out_ptr.dtype.element_ty))
             if j < substeps - 1:
                 tl.store(history_ptr + j * plane + offsets, s)
-        # A row idle in every sub-step is not written (as _step_kernel leaves it): it may be another slot's prompt,
-        # prefilled beside this step.
+        # A row idle in every sub-step is not written, as _step_kernel leaves an idle row.
         if advanced > 0:
             tl.store(state_ptr + offsets, s)
 
