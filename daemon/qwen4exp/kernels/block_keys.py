@@ -2,9 +2,9 @@
 
 A decode step's token completes a block of `ratio` raw indexer keys when its position + 1 is a multiple of the
 ratio; the block's key is their mean, normalised and rotated (the norm and the rotation are the backend's row-wise
-kernels between these two). The torch form (Indexer.complete_blocks in engine/model/qsa.py) gathers, averages, reads the
-old keys back and writes through a `where`, some eight launches a layer, and a verify step (speculative decoding)
-ran it once per sub-step, since one state row's sub-steps could write the same block. Here:
+kernels between these two). The torch form (Indexer.complete_blocks in engine/model/qsa.py) gathers, averages,
+reads the old keys back and writes through a `where`, some eight launches a layer, and a verify step (speculative
+decoding) ran it once per sub-step, since one state row's sub-steps could write the same block. Here:
 
 * `block_means`: each row's last completed block's raw keys averaged (summed in float32 in one fixed order,
   rounded to the keys' dtype): a row's mean depends on its own keys alone, so a verify step's sub-steps get
@@ -22,8 +22,8 @@ from .guard import interpreted, tl, triton
 if triton is not None:
     from .rounding import round_to
 
-    @triton.jit(do_not_specialize=["key_rows", "capacity"])
-    def _means_kernel(keys_ptr, state_rows_ptr, positions_ptr, out_ptr, key_rows, capacity, RATIO: tl.constexpr,
+    @triton.jit(do_not_specialize=["capacity"])
+    def _means_kernel(keys_ptr, state_rows_ptr, positions_ptr, out_ptr, capacity, RATIO: tl.constexpr,
                       DIM: tl.constexpr, INTERPRETED: tl.constexpr):
         """One row: the mean of the raw keys of the last block its position completes or completed."""
         row = tl.program_id(0).to(tl.int64)
@@ -66,10 +66,10 @@ def block_means(index_keys: torch.Tensor, state_rows: torch.Tensor, positions: t
     """[T, dim] in the keys' dtype: for row t, the mean of state row state_rows[t]'s raw keys (index_keys [N,
     capacity, dim]) over the last block that positions[t] completes or completed (block 0 before the first)."""
     _check(index_keys, state_rows, positions, ratio)
-    rows, (key_rows, capacity, dim) = positions.numel(), index_keys.shape
+    rows, (_, capacity, dim) = positions.numel(), index_keys.shape
     out = torch.empty(rows, dim, dtype=index_keys.dtype, device=index_keys.device)
     if rows:
-        _means_kernel[(rows,)](index_keys, state_rows.contiguous(), positions.contiguous(), out, key_rows, capacity,
+        _means_kernel[(rows,)](index_keys, state_rows.contiguous(), positions.contiguous(), out, capacity,
                                RATIO=ratio, DIM=dim, INTERPRETED=interpreted(index_keys), num_warps=1)
     return out
 
