@@ -116,13 +116,17 @@ class Indexer(nn.Module):
             state.block_keys[rows, block] = torch.where(finished, self.pool(raw, rope, view),
                                                         state.block_keys[rows, block])
 
+    def last_block(self, positions: torch.Tensor) -> torch.Tensor:
+        """The block each position's token completes or last completed (block 0 before the first completes)."""
+        return ((positions + 1) // self.ratio - 1).clamp_min(0)
+
     def _completed_blocks(self, step) -> tuple[torch.Tensor, ...]:
         """decode: (rows, the block each row's token completes or last completed, that block's positions [N, ratio],
         whether the row's token completes it [N, 1], cos and sin at its first position): the same in every QSA
         layer of the step."""
         positions = step.positions
         rows = torch.arange(positions.numel(), device=positions.device)
-        block = ((positions + 1) // self.ratio - 1).clamp_min(0)
+        block = self.last_block(positions)
         starts = block * self.ratio
         columns = starts[:, None] + torch.arange(self.ratio, device=positions.device)
         finished = (step.active & ((positions + 1) % self.ratio == 0))[:, None]

@@ -151,7 +151,7 @@ class TritonOps(TorchOps):
         ratio = indexer.ratio
 
         def block_rope():      # the same in every QSA layer of the step: made once
-            starts = ((step.positions + 1) // ratio - 1).clamp_min(0) * ratio
+            starts = indexer.last_block(step.positions) * ratio
             return step.cos_table[starts], step.sin_table[starts]
         means = block_keys.block_means(state.index_keys, step.state_rows, step.positions, ratio)
         pooled = self.rotate(self.rms_norm(means, indexer.k_layernorm), *step.shared(("block rope", ratio), block_rope))
