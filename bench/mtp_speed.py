@@ -15,7 +15,8 @@ Measured, for each slot count:
 2. plain decoding against an engine drafting 3 tokens a step whose drafts come from an oracle (the tokens plain
    decoding produced, labelled as such: random weights accept nothing of their own): generated tok/s of each, the
    accepted drafts, and where the drafting engine's time went (the head's drafting, the verify step, the rest; on a
-   GPU as spans of the device's timeline), whether every answer was plain decoding's; "oracle" with the verify
+   GPU as spans of the device's timeline), whether every answer was plain decoding's (and, per request, the first
+   token where it was not: `first_difference`); "oracle" with the verify
    step's positions one by one, "oracle_together" with them together (the engine's form on a GPU). With
    --accuracies below 1 the oracle's drafts are each wrong with the rest's chance (`_accuracy_P`), and with
    --choices adaptive the drafting engine chooses its drafts itself (`_adaptive`: from each slot's acceptance and,
@@ -138,6 +139,13 @@ def verify_costs(model, slots: int, drafts: list[int], device: torch.device, rep
     return out
 
 
+def _first_difference(got: list[int], want: list[int]) -> int | None:
+    """The index of the first token where `got` leaves plain decoding's `want` (None where they are equal): where
+    a run that differs went wrong, a slot at a time."""
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return None if got == want else at
+
+
 def oracle_run(model, slots: int, tokens: int, device: torch.device, context: int, together: bool,
                accuracy: float = 1.0, adaptive: bool = False) -> dict:
     """Plain decoding, then 3 drafts a step from an oracle (section 2); `together`: the verify step's positions in
@@ -216,10 +224,12 @@ def _oracle_run(model, slots: int, tokens: int, device: torch.device, context: i
     finally:
         Drafter.draft, Drafter.verify = real_draft, real_verify
     same = [r.output_ids for r in drafted] == [r.output_ids for r in plain]
+    first_difference = [_first_difference(d.output_ids, p.output_ids) for d, p in zip(drafted, plain)]
     generated = sum(len(r.output_ids) - 1 for r in plain)
     accepted = sum(r.mtp_accepted for r in drafted)      # the timed requests' (not the warm-up's)
     per_step = drafted_s / max(steps, 1)
-    return {"same_answers": same, "generated": generated, "plain_tok_s": round(generated / plain_s, 1),
+    return {"same_answers": same, "first_difference": first_difference, "generated": generated,
+            "plain_tok_s": round(generated / plain_s, 1),
             "oracle_tok_s": round(generated / drafted_s, 1), "oracle_speedup": round(plain_s / drafted_s, 3),
             "accepted": accepted, "drafted": sum(r.mtp_drafted for r in drafted),
             "verify_steps": steps, "plain_steps": plain_steps,

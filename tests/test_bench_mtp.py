@@ -21,3 +21,23 @@ def test_the_mtp_heads_drafts_on_the_embedded_model():
     assert row["generated"] == 48 and row["drafts"] == 48
     assert row["main_agrees"] == row["drafts"]          # every token is the serving engine's greedy choice
     assert row["accepted"] > row["drafts"] // 3, row
+
+
+def test_the_mtp_speed_benchs_oracle_run_reports_plain_decodings_answers():
+    """bench/mtp_speed.py's oracle run on the CPU (the tiny model, two slots): drafts all right are all taken,
+    drafts partly wrong are partly taken, and either way every answer is plain decoding's (`first_difference`
+    None for each request, which is where a run that differs shows its first wrong token)."""
+    import torch
+    from mtp_speed import _first_difference, oracle_run
+
+    from qwen4exp.checkpoint.random_weights import random_model
+
+    model = random_model("tiny", layers=4, dtype="float32", device="cpu", mtp_head=True)
+    cpu = torch.device("cpu")
+    right = oracle_run(model, 2, 12, cpu, 256, together=False)
+    assert right["same_answers"] and right["first_difference"] == [None, None]
+    assert right["accepted"] == right["drafted"] > 0
+    half = oracle_run(model, 2, 12, cpu, 256, together=False, accuracy=0.5)
+    assert half["same_answers"] and half["first_difference"] == [None, None]
+    assert 0 < half["accepted"] < half["drafted"]
+    assert _first_difference([5, 6, 7], [5, 6, 8]) == 2 and _first_difference([5, 6], [5, 6, 7]) == 2
