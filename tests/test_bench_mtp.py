@@ -1,6 +1,7 @@
-"""bench/mtp_acceptance.py on the embedded model: the training forward it reads the MTP head through agrees with
-the engine that produced the text, and the trained head's drafts are mostly right (71% over the bench's eight
-prompts when measured, docs/PERFORMANCE.md; the test asks for more than a third of 48)."""
+"""The MTP benchmarks on the CPU. bench/mtp_acceptance.py on the embedded model: the training forward it reads the
+MTP head through agrees with the engine that produced the text, and the trained head's drafts are mostly right (71%
+over the bench's eight prompts when measured, docs/PERFORMANCE.md; the test asks for more than a third of 48).
+bench/mtp_speed.py's oracle run: what it reports of exactness."""
 
 from __future__ import annotations
 
