@@ -61,6 +61,20 @@ def test_a_stop_string_ends_the_text_before_it(server):
     assert choice["text"] == text[:text.index(stop)] and choice["finish_reason"] == "stop"
 
 
+def test_stop_token_ids_end_the_answer_at_the_first_listed_id_and_ids_past_the_vocabulary_get_a_400(server):
+    status, full, _ = server.request("POST", "/generate", GREEDY)
+    ids = full["token_ids"]
+    stop_at = ids[len(ids) // 2]
+    absent = [t for t in range(512) if t not in ids]           # ids the answer never takes, listed many times over
+    status, cut, _ = server.request("POST", "/generate", GREEDY | {"stop_token_ids": absent * 100 + [stop_at]})
+    assert status == 200 and cut["finish_reason"] == "stop", cut
+    assert cut["token_ids"] == ids[:ids.index(stop_at) + 1], (stop_at, ids, cut["token_ids"])
+    status, answer, _ = server.request("POST", "/generate", GREEDY | {"stop_token_ids": [stop_at, 1 << 30]})
+    assert status == 400 and answer["error"]["param"] == "stop_token_ids", answer
+    assert "'stop_token_ids' has ids outside [0, " in answer["error"]["message"] and "[1073741824]" in \
+        answer["error"]["message"], answer
+
+
 def test_stream_options_include_usage_sends_a_last_usage_chunk(server):
     body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "ignore_eos": True}
     status, plain, _ = server.request("POST", "/v1/chat/completions", body)

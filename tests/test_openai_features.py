@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -232,6 +233,26 @@ def test_the_template_shows_the_model_the_tools_calls_and_results(tokenizer):
     assert '"description": "x<|im_end|>y"' in text and text.count("<|im_end|>") == 5
     assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>" in text
     assert "<tool_response>\nsunny\n</tool_response>" in text and reading.tools == tools and not reading.thinking
+
+
+def test_an_assistant_turns_reasoning_is_rendered_under_either_name_and_null_is_unset(tokenizer):
+    from qwen4exp.server.chat_prompt import chat_prompt
+    from qwen4exp.server.errors import ApiError
+
+    def ids(**reasoning):
+        turn = {"role": "assistant", "content": "a"} | reasoning
+        return chat_prompt({"messages": [{"role": "user", "content": "q"}, turn,
+                                         {"role": "user", "content": "r"}]}, tokenizer)[0]
+
+    shown = ids(reasoning_content="think hard")
+    assert shown != ids() and "think hard" in tokenizer.decode(shown)
+    assert ids(reasoning="think hard") == ids(reasoning="think hard", reasoning_content=None) == shown
+    assert ids(reasoning_content="think hard", reasoning=None) == ids(reasoning="think hard",
+                                                                      reasoning_content="think hard") == shown
+    for bad, message in [({"reasoning": 7, "reasoning_content": "x"}, "messages[1].reasoning' must be a string"),
+                         ({"reasoning": "x", "reasoning_content": "y"}, "both reasoning_content and reasoning")]:
+        with pytest.raises(ApiError, match=re.escape(message)):
+            ids(**bad)
 
 
 @pytest.mark.parametrize("body, param, message", [

@@ -199,8 +199,9 @@ def test_health_answers_while_large_bodies_are_prepared(server):
         assert server.request("GET", "/health", key=None)[0] == 200
         slowest = max(slowest, time.monotonic() - started)
         time.sleep(0.02)
-    assert len(results) == 4 and all(r[0] == 400 and "exceeds the context" in r[1]["error"]["message"]
-                                     for r in results), [r[:2] for r in results]
+    refusals = sorted(r[1]["error"]["message"].split(":")[0] if r[0] == 400 else str(r[0]) for r in results)
+    assert refusals == ["'prompt' has 7830000 characters"] * 2 + ["prompt of 800005 tokens + max_tokens 1 = 800006 "
+                        "exceeds the context of 4096 tokens"] * 2, refusals     # the text refused by its length
     assert slowest < 1.0, f"/health took {slowest:.2f} s while bodies were prepared"
 
 
@@ -341,6 +342,42 @@ def test_connections_that_never_finish_their_headers_are_closed(server):
     assert int(re.search(r"^qwen4exp_connections_closed_slow_total (\d+)", metrics, re.M).group(1)) >= 20
 
 
+class _Transport:
+    def __init__(self):
+        self.closed = self.aborted = 0
+
+    def close(self):              # a graceful close waits for the buffered answer to go out: it stays open
+        self.closed += 1
+
+    def abort(self):
+        self.aborted += 1
+
+
+class _Connection:
+    def __init__(self):
+        self.transport = _Transport()
+
+    def force_close(self):
+        pass
+
+
+def test_a_client_that_reads_nothing_is_dropped_after_a_second_deadline_and_counted_once():
+    """A streaming client that stops reading keeps its answer buffered, so a graceful close never completes: the
+    guard drops the connection one header timeout after closing it, and counts it once, not at every sweep."""
+    from qwen4exp.server.connections import ConnectionGuard
+
+    guard, stuck = ConnectionGuard(header_timeout=0.05, max_connections=8), _Connection()
+    for _ in range(3):
+        guard.sweep([stuck])
+        time.sleep(0.03)
+    assert stuck.transport.closed == 1 and stuck.transport.aborted == 0 and guard.closed_slow == 1
+    time.sleep(0.06)
+    guard.sweep([stuck])
+    assert stuck.transport.aborted == 1 and guard.closed_slow == 1
+    guard.sweep([])                        # gone: forgotten
+    assert not guard._closing and not guard._since
+
+
 def test_a_body_that_never_arrives_gets_408(server):
     sock = socket.create_connection(("127.0.0.1", server.port))
     sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
@@ -377,6 +414,28 @@ def test_a_client_leaving_mid_stream_is_one_info_line(server, caplog):
     server_records = [r for r in caplog.records if r.name.startswith("qwen4exp.server") or r.name.startswith("aiohttp")]
     assert not [r for r in server_records if r.levelno >= logging.WARNING], \
         [(r.name, r.getMessage()) for r in server_records]
+
+
+@pytest.mark.parametrize("raw", [
+    b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: " + b"a" * 9000 + b"\r\nConnection: close\r\n\r\n",
+    b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1x\r\nConnection: close\r\n\r\n{}",
+    b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\nzz\r\n",
+    (f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\nContent-Encoding: gzip\r\n"
+     "Content-Length: 31\r\nConnection: close\r\n\r\n" + '{"prompt": "In", "max_tokens": 2}'[:31]).encode(),
+], ids=["header-too-long", "bad-length", "bad-chunk", "not-gzip"])
+def test_a_malformed_request_is_a_400_and_one_info_line_not_a_traceback(server, caplog, raw):
+    caplog.set_level(logging.INFO)
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(raw)
+    sock.settimeout(5)
+    answer = sock.recv(4096)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.") and b" 400 " in answer.split(b"\r\n")[0], answer[:200]
+    time.sleep(0.3)
+    server_records = [r for r in caplog.records if r.name.startswith(("qwen4exp", "aiohttp"))]
+    assert not [r for r in server_records if r.levelno >= logging.WARNING or r.exc_info], \
+        [(r.name, r.levelname, r.getMessage()) for r in server_records]
+    assert server.request("POST", "/generate", {"prompt": "a", "max_tokens": 1})[0] == 200
 
 
 def test_a_client_leaving_mid_body_is_one_info_line(server, caplog):

@@ -82,12 +82,22 @@ def test_openai_client_completions_and_chat(server):
     (json.dumps({"prompt": "a", "top_p": 3}).encode(), "top_p"),
     (json.dumps({"prompt_ids": [1, 99999999]}).encode(), "outside [0,"),
     (json.dumps({"prompt_ids": [1] * 500, "max_tokens": 100}).encode(), "exceeds the context of 512 tokens"),
+    # refused by its length in characters, before it is tokenized
+    (json.dumps({"prompt": "a" * 200000}).encode(), "'prompt' has 200000 characters: at least"),
 ])
 def test_bad_requests_get_clear_400s_and_the_server_keeps_serving(server, raw, message):
     status, body, _ = server.request("POST", "/generate", raw=raw)
     assert status == 400 and message in body["error"]["message"], body
     status, ok, _ = server.request("POST", "/generate", {"prompt": "still here", "max_tokens": 2})
     assert status == 200
+
+
+def test_a_method_a_path_does_not_take_is_a_405_saying_which_it_takes(server):
+    status, body, response = server.request("PUT", "/generate", {"prompt": "a"})
+    assert status == 405 and "POST" in response.getheader("Allow"), (status, body)
+    assert body["error"]["message"].startswith("PUT is not accepted on /generate; it takes ") and \
+        "POST" in body["error"]["message"], body
+    assert server.request("POST", "/generate", {"prompt": "still here", "max_tokens": 2})[0] == 200
 
 
 def test_oversize_body_is_413(server):

@@ -51,6 +51,27 @@ def test_round_trip(tok, text):
     assert tok.decode(ids) == text
 
 
+@pytest.mark.parametrize("model", ["built", "embedded"])
+def test_no_text_is_fewer_tokens_than_its_characters_over_most_chars_per_token(tok, model):
+    """The bound the server refuses a too-long prompt by before tokenizing it: texts that pack many characters into
+    few tokens (the training text's long words, runs of one character, composing accents, special tokens)."""
+    import random
+
+    from qwen4exp.model_dir import EMBEDDED_MODEL
+
+    tokenizer = tok if model == "built" else Tokenizer.from_path(EMBEDDED_MODEL)
+    most = tokenizer.most_chars_per_token
+    assert most is not None and most >= max(len(tokenizer.decode([i])) for i in range(tokenizer.vocab_size))
+    rng = random.Random(0)
+    words = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
+    longest = sorted(words, key=len)[-50:]
+    texts = [" ".join(rng.choice(longest) for _ in range(200)), "a" * 5000, " " * 5000, "\n" * 3000,
+             "e\u0301" * 2000 + "\u03a9\u0314\u0342\u0345" * 1000, "<|im_start|>" * 300, MULTIBYTE * 50,
+             "".join(rng.choice(words) for _ in range(2000))]
+    for text in texts:
+        assert len(tokenizer.encode(text)) >= len(text) / most, text[:40]
+
+
 def test_learned_vocabulary_sizes():
     tiny = tokenizer_builder.build_tokenizer(preset_config("tiny")["text_config"])
     bench = tokenizer_builder.build_tokenizer(preset_config("bench")["text_config"])

@@ -124,6 +124,24 @@ class Tokenizer:
         return cls(hf, template, _eos_ids(root, text_config, tok_config, hf),
                    int(text_config.get("vocab_size") or hf.get_vocab_size(with_added_tokens=True)), root)
 
+    @functools.cached_property
+    def most_chars_per_token(self) -> int | None:
+        """The most characters of a text that one of its tokens can stand for, so that a text of n characters is at
+        least n / this many tokens (a prompt too long for the context is then refused before it is tokenized): the
+        longest vocabulary entry (one character per byte for byte-level BPE, which no decoded character is
+        shorter than), times 4 where a Unicode normal form may compose up to 4 code points into one. None where
+        the normalizer may drop characters: no bound."""
+        normalizer = self._hf.normalizer
+        if normalizer is None:
+            factor = 1
+        else:
+            state = json.loads(normalizer.__getstate__())
+            kinds = [n.get("type") for n in state.get("normalizers", [state])]
+            if not set(kinds) <= {"NFC", "NFD", "NFKC", "NFKD"}:
+                return None
+            factor = 4
+        return factor * max(len(entry) for entry in self._hf.get_vocab(with_added_tokens=True))
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special-token strings in it (e.g. from the chat template) become their ids."""
         return self._hf.encode(text, add_special_tokens=False).ids

@@ -584,7 +584,7 @@ class Engine:
         request.output_ids.append(token)
         if request.logprobs is not None:
             request.output_logprobs.append(_position_logprobs(logits, token, request.logprobs))
-        delta, stopped = "", token in request.stop_token_ids
+        delta, stopped = "", token in request.stop_id_set
         if slot.detokenizer is not None and not stopped:
             delta = slot.detokenizer.push(token)
             if slot.stops is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -68,6 +69,11 @@ class Request:
     started_at: float | None = None                  # took a slot
     first_token_at: float | None = None
     finished_at: float | None = None
+
+    @functools.cached_property
+    def stop_id_set(self) -> frozenset[int]:
+        """stop_token_ids for the check at every generated token, which a scan of a long list would slow."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def finished(self) -> bool:

@@ -115,11 +115,16 @@ def _message(m, where: str) -> dict:
         if role != "assistant":
             raise ApiError(400, f"{where}.tool_calls: only an assistant message makes calls", param="messages")
         out["tool_calls"] = _calls(calls, f"{where}.tool_calls")
-    reasoning = m.get("reasoning_content", m.get("reasoning"))
-    if reasoning is not None:
+    # vLLM's `reasoning_content` and the newer `reasoning` name one thing; null is unset, as everywhere.
+    given = {key: plain_text(m[key], f"{where}.{key}", empty_ok=True)
+             for key in ("reasoning_content", "reasoning") if m.get(key) is not None}
+    if given:
         if role != "assistant":
             raise ApiError(400, f"{where}: only an assistant message has reasoning", param="messages")
-        out["reasoning_content"] = plain_text(reasoning, f"{where}.reasoning_content", empty_ok=True)
+        if len(set(given.values())) > 1:
+            raise ApiError(400, f"{where} has both reasoning_content and reasoning, and they differ: give one",
+                           param="messages")
+        out["reasoning_content"] = next(iter(given.values()))
     for key in ("name", "tool_call_id"):
         if m.get(key) is not None:
             out[key] = plain_text(m[key], f"{where}.{key}", empty_ok=True)

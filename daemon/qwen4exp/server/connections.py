@@ -35,6 +35,7 @@ class ConnectionGuard:
         self.header_timeout, self.max_connections = header_timeout, max_connections
         self._busy: dict[object, int] = {}          # connection -> requests it is running
         self._since: dict[object, float] = {}       # connection -> when it last ran none (or opened)
+        self._closing: dict[object, float] = {}     # connection -> when the guard closed it
         self.closed_slow = self.refused = 0
 
     @web.middleware
@@ -48,17 +49,26 @@ class ConnectionGuard:
             self._since[connection] = time.monotonic()
 
     def sweep(self, connections) -> None:
-        """Close the connections that ran no request for longer than the header timeout."""
+        """Close the connections that ran no request for longer than the header timeout. A close lets the answer
+        still buffered for the client go out first; a client that reads none of it for another header timeout
+        would hold the connection forever, so its connection is then dropped with the rest unsent."""
         now, alive = time.monotonic(), set(connections)
         for connection in alive:
+            closed_at = self._closing.get(connection)
+            if closed_at is not None:
+                if now - closed_at > self.header_timeout and connection.transport is not None:
+                    connection.transport.abort()
+                continue
             since = self._since.setdefault(connection, now)
             if not self._busy.get(connection) and now - since > self.header_timeout:
                 self.closed_slow += 1
+                self._closing[connection] = now
                 connection.force_close()
                 if connection.transport is not None:
                     connection.transport.close()
         for gone in [c for c in self._since if c not in alive]:
             self._since.pop(gone, None)
+            self._closing.pop(gone, None)
             if not self._busy.get(gone):
                 self._busy.pop(gone, None)
 

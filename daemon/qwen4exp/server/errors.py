@@ -8,6 +8,7 @@ import json
 import logging
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("qwen4exp.server")
@@ -42,6 +43,34 @@ class EngineUnavailable(ApiError):
         return EngineUnavailable, (self.message,)
 
 
+class ClientFaults(logging.Filter):
+    """aiohttp logs a request it cannot read (a header line past its limit, a bad Content-Length or chunk, a body
+    not in its Content-Encoding) as an ERROR with a traceback, though the client got its 400 and nothing on the
+    server is wrong: any client could fill the log with them. Such a record becomes one INFO line naming the fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        fault = record.exc_info[1] if record.exc_info else None
+        for _ in range(8):                                   # a body's decoding error arrives wrapped
+            if fault is None or isinstance(fault, HttpProcessingError):
+                break
+            fault = fault.__cause__ or fault.__context__
+        else:
+            fault = None
+        if fault is not None:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "a request that could not be read was refused: %s", (str(fault)[:200],)
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def http_logger() -> logging.Logger:
+    """The logger aiohttp's connection handlers report to, with ClientFaults on it."""
+    logger = logging.getLogger("qwen4exp.http")
+    if not any(isinstance(f, ClientFaults) for f in logger.filters):
+        logger.addFilter(ClientFaults())
+    return logger
+
+
 def error_response(err: ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=err.headers)
 
@@ -57,7 +86,11 @@ async def error_middleware(request: web.Request, handler):
     except web.HTTPException as err:
         if err.status < 400:
             raise
-        return error_response(ApiError(err.status, err.reason))
+        # What aiohttp's exception carries for the client stays (a 405's Allow, a redirect's Location).
+        kept = {k: v for k, v in err.headers.items() if k.lower() not in ("content-type", "content-length")}
+        message = err.reason if err.status != 405 else \
+            f"{request.method} is not accepted on {request.path}; it takes {err.headers.get('Allow', 'none')}"
+        return error_response(ApiError(err.status, message, headers=kept))
     except ConnectionError:
         # The client went away while its request was read or answered: nothing to answer, nothing broken. A
         # response (which cannot be sent) instead of the error keeps aiohttp from logging it as a handler's failure;

@@ -53,6 +53,7 @@ def _start(model_dir: str, default_max_tokens: int) -> None:
     global _TOKENIZER, _DEFAULT_MAX_TOKENS
     from ..tokenizer import Tokenizer
     _TOKENIZER, _DEFAULT_MAX_TOKENS = Tokenizer.from_path(model_dir), default_max_tokens
+    _TOKENIZER.most_chars_per_token           # read from the vocabulary now, not on a request's path
 
 
 def prepare_body(endpoint: str, raw: bytes, context: int | None) -> Prepared:
@@ -64,7 +65,7 @@ def prepare_body(endpoint: str, raw: bytes, context: int | None) -> Prepared:
     stream = boolean(body, "stream", False)
     if endpoint == "generate":
         check_known(body, GENERATE_FIELDS, "/generate")
-        prompt_ids, key, include_usage = _generate_prompt(body, tokenizer), "max_tokens", False
+        prompt_ids, key, include_usage = _generate_prompt(body, tokenizer, context), "max_tokens", False
     else:
         check_known(body, CHAT_FIELDS if endpoint == "chat" else COMPLETION_FIELDS, PATHS[endpoint])
         _check_unsupported(body)
@@ -73,8 +74,9 @@ def prepare_body(endpoint: str, raw: bytes, context: int | None) -> Prepared:
             prompt_ids, chat = chat_prompt(body, tokenizer)
             key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         else:
-            prompt_ids, key = _completion_prompt(body, tokenizer), "max_tokens"
-    fields = engine_fields(body, prompt_ids, tokenizer.eos_token_ids, key, _DEFAULT_MAX_TOKENS)
+            prompt_ids, key = _completion_prompt(body, tokenizer, context), "max_tokens"
+    fields = engine_fields(body, prompt_ids, tokenizer.eos_token_ids, key, _DEFAULT_MAX_TOKENS,
+                           tokenizer.vocab_size)
     if endpoint != "generate":
         fields["logprobs"] = _logprobs(body, endpoint)
     n, wanted = len(prompt_ids), fields["max_tokens"]
@@ -85,21 +87,38 @@ def prepare_body(endpoint: str, raw: bytes, context: int | None) -> Prepared:
     return Prepared(fields, stream, include_usage, chat)
 
 
-def _generate_prompt(body: dict, tokenizer) -> list[int]:
+def _may_fit(chars: int, context: int | None, tokenizer, key: str) -> None:
+    """Refuses a text of `chars` characters that is more tokens than the context holds whatever it says, before
+    tokenizing it: a few megabytes of text would hold a preparing process for seconds. Not for a chat, whose
+    template may leave parts of a message out (Qwen's drops an assistant turn's text before its `</think>`)."""
+    most = tokenizer.most_chars_per_token
+    if context is None or most is None:
+        return
+    fewest = -(-chars // most)
+    if fewest >= context:
+        raise ApiError(400, f"'{key}' has {chars} characters: at least {fewest} tokens (no token stands for more "
+                       f"than {most} characters), and the context holds {context} tokens with the answer", param=key)
+
+
+def _generate_prompt(body: dict, tokenizer, context: int | None) -> list[int]:
     if ("prompt" in body) == ("prompt_ids" in body):
         raise ApiError(400, "give exactly one of 'prompt' (text) or 'prompt_ids' (a list of token ids)")
     if "prompt" in body:
-        return tokenizer.encode(plain_text(body["prompt"], "prompt"))
+        text = plain_text(body["prompt"], "prompt")
+        _may_fit(len(text), context, tokenizer, "prompt")
+        return tokenizer.encode(text)
     return token_ids(body["prompt_ids"], "prompt_ids", tokenizer.vocab_size)
 
 
-def _completion_prompt(body: dict, tokenizer) -> list[int]:
+def _completion_prompt(body: dict, tokenizer, context: int | None) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return token_ids(prompt, "prompt", tokenizer.vocab_size)
     if not isinstance(prompt, str):
         raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", param="prompt")
-    return tokenizer.encode(plain_text(prompt, "prompt"))
+    text = plain_text(prompt, "prompt")
+    _may_fit(len(text), context, tokenizer, "prompt")
+    return tokenizer.encode(text)
 
 
 def _check_unsupported(body: dict) -> None:

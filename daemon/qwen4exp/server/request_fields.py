@@ -106,8 +106,9 @@ def token_ids(value, key: str, vocab: int) -> list[int]:
 
 
 def engine_fields(body: dict, prompt_ids: list[int], default_stop_ids: list[int], max_tokens_key: str,
-                  default_max_tokens: int) -> dict:
-    """The fields the worker's engine takes, from a validated body."""
+                  default_max_tokens: int, vocab: int) -> dict:
+    """The fields the worker's engine takes, from a validated body. Stop ids are checked against the vocabulary
+    (an id past it can never be produced) and sent once each."""
     sampling_raw = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
     for key, value in sampling_raw.items():       # one at a time, so the error names its field
         try:
@@ -116,8 +117,10 @@ def engine_fields(body: dict, prompt_ids: list[int], default_stop_ids: list[int]
             raise ApiError(400, str(err), param=key) from None
     ignore_eos = boolean(body, "ignore_eos", False)
     stop_ids = body.get("stop_token_ids")
-    stop_ids = [] if ignore_eos else list(default_stop_ids) if stop_ids is None else token_ids(
-        stop_ids, "stop_token_ids", 1 << 31)
+    if stop_ids is None:                          # ignore_eos drops the default stop, not the ids a client lists
+        stop_ids = [] if ignore_eos else list(default_stop_ids)
+    else:
+        stop_ids = sorted(set(token_ids(stop_ids, "stop_token_ids", vocab)))
     return {
         "prompt_ids": prompt_ids,
         "max_tokens": _int(body, max_tokens_key, default_max_tokens, low=1),

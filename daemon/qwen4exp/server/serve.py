@@ -11,6 +11,7 @@ from aiohttp import web
 from ..engine.engine_config import EngineConfig
 from .app import GUARD, SUPERVISOR, ServerOptions, create_app
 from .connections import GuardedSite
+from .errors import http_logger
 from .sd_notify import Notifier
 
 log = logging.getLogger("qwen4exp.server")
@@ -24,7 +25,8 @@ async def start_app(app: web.Application, host: str, port: int) -> web.AppRunner
     """Start the engine worker (the app's cleanup_ctx) and wait for it, then listen on host:port."""
     # handler_cancellation: a client that goes away cancels its handler, and with it its request in the engine,
     # whether it was streaming, waiting for a JSON answer or still queued.
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
+                           logger=http_logger())
     await runner.setup()
     try:
         await GuardedSite(runner, app[GUARD], host, port).start()
