@@ -296,6 +296,15 @@ def test_a_body_not_in_its_content_encoding_gets_a_400(server, encoding):
     assert server.request("POST", "/generate", {"prompt": "a", "max_tokens": 1})[0] == 200
 
 
+@pytest.mark.parametrize("encoding", ["x-bogus", "gzip, gzip"])
+def test_a_content_encoding_the_server_does_not_read_gets_a_415_naming_it(server, encoding):
+    status, answer, _ = server.request("POST", "/generate", {"prompt": "a", "max_tokens": 1},
+                                       headers={"Content-Encoding": encoding})
+    assert status == 415 and answer["error"]["message"] == f"the request body's Content-Encoding {encoding!r} is " \
+        "not one the server reads: gzip, deflate or none", answer
+    assert server.request("POST", "/generate", {"prompt": "a", "max_tokens": 1})[0] == 200
+
+
 @pytest.mark.parametrize("raw, message", [
     (b'{"prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", "nested too deeply"),
     (b'{"max_tokens": ' + b"9" * 50000 + b"}", "a number that cannot be read"),

@@ -124,7 +124,13 @@ def parse_json(raw: bytes) -> dict:
 
 
 async def read_body(request: web.Request, timeout: float | None = None) -> bytes:
-    """The body's bytes, read within `timeout` seconds: a client that sends it slower gets 408."""
+    """The body's bytes, read within `timeout` seconds: a client that sends it slower gets 408. aiohttp decodes
+    gzip and deflate bodies and hands any other Content-Encoding through as it came, which would then be read as
+    a plain body: refused by name instead."""
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity", "gzip", "deflate"):
+        raise ApiError(415, f"the request body's Content-Encoding {encoding!r} is not one the server reads: gzip, "
+                       "deflate or none", headers={"Connection": "close"})
     try:
         return await asyncio.wait_for(request.read(), timeout)
     except TimeoutError:
