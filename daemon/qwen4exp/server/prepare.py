@@ -87,26 +87,26 @@ def prepare_body(endpoint: str, raw: bytes, context: int | None) -> Prepared:
     return Prepared(fields, stream, include_usage, chat)
 
 
-def _may_fit(chars: int, context: int | None, tokenizer, key: str) -> None:
-    """Refuses a text of `chars` characters that is more tokens than the context holds whatever it says, before
-    tokenizing it: a few megabytes of text would hold a preparing process for seconds. Not for a chat, whose
-    template may leave parts of a message out (Qwen's drops an assistant turn's text before its `</think>`)."""
+def _text_prompt(value, tokenizer, context: int | None) -> list[int]:
+    """The ids of a text `prompt`. One that is more tokens than the context holds whatever it says is refused
+    before it is tokenized: a few megabytes of text would hold a preparing process for seconds. Not for a chat,
+    whose template may leave parts of a message out (Qwen's drops an assistant turn's text before its `</think>`)."""
+    text = plain_text(value, "prompt")
     most = tokenizer.most_chars_per_token
-    if context is None or most is None:
-        return
-    fewest = -(-chars // most)
-    if fewest >= context:
-        raise ApiError(400, f"'{key}' has {chars} characters: at least {fewest} tokens (no token stands for more "
-                       f"than {most} characters), and the context holds {context} tokens with the answer", param=key)
+    if context is not None and most is not None:
+        fewest = -(-len(text) // most)
+        if fewest >= context:
+            raise ApiError(400, f"'prompt' has {len(text)} characters: at least {fewest} tokens (no token stands for "
+                           f"more than {most} characters), and the context holds {context} tokens with the answer",
+                           param="prompt")
+    return tokenizer.encode(text)
 
 
 def _generate_prompt(body: dict, tokenizer, context: int | None) -> list[int]:
     if ("prompt" in body) == ("prompt_ids" in body):
         raise ApiError(400, "give exactly one of 'prompt' (text) or 'prompt_ids' (a list of token ids)")
     if "prompt" in body:
-        text = plain_text(body["prompt"], "prompt")
-        _may_fit(len(text), context, tokenizer, "prompt")
-        return tokenizer.encode(text)
+        return _text_prompt(body["prompt"], tokenizer, context)
     return token_ids(body["prompt_ids"], "prompt_ids", tokenizer.vocab_size)
 
 
@@ -116,9 +116,7 @@ def _completion_prompt(body: dict, tokenizer, context: int | None) -> list[int]:
         return token_ids(prompt, "prompt", tokenizer.vocab_size)
     if not isinstance(prompt, str):
         raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids", param="prompt")
-    text = plain_text(prompt, "prompt")
-    _may_fit(len(text), context, tokenizer, "prompt")
-    return tokenizer.encode(text)
+    return _text_prompt(prompt, tokenizer, context)
 
 
 def _check_unsupported(body: dict) -> None:
